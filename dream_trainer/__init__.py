@@ -1,0 +1,7 @@
+"""dream_trainer: a mixin-composed distributed training framework for PyTorch."""
+
+from dream_trainer.trainer import (AbstractTrainer, AbstractTrainerConfig, BaseTrainer,
+                                   BaseTrainerConfig)
+
+__all__ = ["AbstractTrainer", "AbstractTrainerConfig", "BaseTrainer", "BaseTrainerConfig"]
+__version__ = "0.1.0"

@@ -1,0 +1,7 @@
+"""Pydantic configs shared by the trainers and mixins."""
+
+from dream_trainer.configs.base import ConfigModel
+from dream_trainer.configs.device import DeviceParameters
+from dream_trainer.configs.training import TrainingParameters
+
+__all__ = ["ConfigModel", "DeviceParameters", "TrainingParameters"]

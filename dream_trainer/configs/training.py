@@ -1,0 +1,42 @@
+"""How long and how to train: epochs, batch sizes, accumulation, validation cadence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+
+from dream_trainer.configs.base import ConfigModel
+
+
+class TrainingParameters(ConfigModel):
+    """The loop's schedule. Every count is validated when the model is built."""
+
+    n_epochs: PositiveInt
+    """Number of passes over the training data."""
+    train_batch_size: PositiveInt
+    """Micro-batch size per rank."""
+    val_batch_size: PositiveInt | None = None
+    """Validation batch size per rank; ``None`` uses ``train_batch_size``."""
+    gradient_accumulation_steps: PositiveInt = 1
+    """Micro-batches accumulated into one optimizer step."""
+    train_steps_per_epoch: PositiveInt | None = None
+    """Optimizer steps per epoch; ``None`` uses the whole train loader."""
+    val_steps_per_epoch: PositiveInt | None = None
+    """Validation batches per validation epoch; ``None`` uses the whole loader."""
+    val_every_n_steps: PositiveInt | None = None
+    """Validate every N optimizer steps; ``None`` validates once per epoch."""
+    num_sanity_val_steps: NonNegativeInt = 0
+    """Validation batches run before training starts, to catch bugs early."""
+    gradient_clip_val: PositiveFloat | None = None
+    """Clip the total gradient norm to this value in ``step()``; ``None`` disables clipping."""
+    max_steps: PositiveInt | None = None
+    """Stop after this many optimizer steps, even mid-epoch."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_val_batch_size(cls, data: Any) -> Any:
+        # Resolved at construction so the stored config states the size actually used.
+        if isinstance(data, dict) and data.get("val_batch_size") is None:
+            return {**data, "val_batch_size": data.get("train_batch_size")}
+        return data

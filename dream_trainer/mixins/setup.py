@@ -1,0 +1,252 @@
+"""``SetupMixin``: models on the meta device, parallelism, materialization, optimizers, data."""
+
+from __future__ import annotations
+
+import logging
+from abc import abstractmethod
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.lr_scheduler import LRScheduler
+
+from dream_trainer.configs.base import ConfigModel
+from dream_trainer.parallel.data_parallel import DDPBackend
+from dream_trainer.parallel.materialize import find_uninitialized, has_meta_tensors, materialize
+from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.utils.dataloader import distribute_loader
+from dream_trainer.world.dims import MeshAxis
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class SetupConfigMixin(ConfigModel):
+    """Config counterpart of ``SetupMixin``; the parallelism settings live in
+    ``DeviceParameters``, so it adds no fields of its own yet."""
+
+
+class SetupMixin(AbstractTrainer):
+    """Builds everything ``fit()`` trains: models, optimizers, schedulers and dataloaders.
+
+    ``configure()`` runs ``configure_models()`` under ``torch.device("meta")``: every
+    ``nn.Module`` it assigns to ``self`` is a model, and none gets storage. ``setup()`` then
+    runs, in this order:
+
+    1. ``apply_tensor_parallel(tp_mesh)`` when ``tensor_parallel > 1``;
+    2. ``apply_activation_checkpointing()`` when ``checkpoint_activations``;
+    3. ``apply_compile()`` when ``compile_model``;
+    4. ``apply_fully_shard(config)`` when ``dp_shard > 1``;
+    5. materialization: ``to_empty`` on the device, every submodule's ``reset_parameters()``,
+       then ``init_weights()``; a tensor left on meta or non-finite is an error naming it;
+    6. ``apply_replicate(dp_mesh)`` when only ``dp_replicate > 1`` (DDP needs real tensors,
+       because it broadcasts rank 0's weights when it wraps the model);
+    7. ``configure_optimizers()``, ``configure_schedulers()``, ``configure_dataloaders()``
+       (a ``DistributedSampler`` is added to loaders that do not split the data themselves).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._model_names: list[str] = []
+        self._optimizer_names: list[str] = []
+        self._scheduler_names: list[str] = []
+        self._unnamed_optimizers: dict[str, torch.optim.Optimizer] = {}
+        self._train_loader: Iterable[Any] | None = None
+        self._val_loader: Iterable[Any] | None = None
+
+    # -- user hooks ------------------------------------------------------------------------
+    @abstractmethod
+    def configure_models(self) -> None:
+        """Assign the models to ``self``; runs on the meta device, so no weights exist yet."""
+
+    def init_weights(self) -> None:
+        """Initialize weights after materialization; the default keeps ``reset_parameters()``."""
+
+    @abstractmethod
+    def configure_optimizers(self) -> Mapping[nn.Module, torch.optim.Optimizer] | None:
+        """Assign optimizers to ``self`` (over the materialized, wrapped parameters).
+
+        Returns:
+            Optionally ``{model: optimizer}``; optimizers only returned are named
+            ``<model attribute>_optimizer``.
+        """
+
+    def configure_schedulers(self) -> None:
+        """Optionally assign ``LRScheduler`` attributes; ``step()`` steps each with its
+        optimizer."""
+
+    @abstractmethod
+    def configure_dataloaders(self) -> tuple[Iterable[Any], Iterable[Any] | None]:
+        """Return ``(train_loader, val_loader)``; ``val_loader`` may be None."""
+
+    # -- parallelism hooks -------------------------------------------------------------------------
+    def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
+        """Parallelize the models over ``tp_mesh`` (``parallelize_module``).
+
+        There is no sensible default for an arbitrary model, so a subclass that sets
+        ``tensor_parallel > 1`` must override this.
+        """
+        raise NotImplementedError(
+            f"tensor_parallel={tp_mesh.size()} needs a plan: override "
+            f"{type(self).__name__}.apply_tensor_parallel(tp_mesh)"
+        )
+
+    def apply_activation_checkpointing(self) -> None:
+        """Wrap blocks so their activations are recomputed in backward."""
+        raise NotImplementedError("checkpoint_activations is not available yet: set it to False")
+
+    def apply_compile(self) -> None:
+        """Compile the models."""
+        raise NotImplementedError("compile_model is not available yet: set it to False")
+
+    def apply_fully_shard(self, config: dict[str, Any]) -> None:
+        """Shard the models with FSDP2's ``fully_shard``."""
+        raise NotImplementedError("dp_shard > 1 (FSDP2) is not available yet: use DDP")
+
+    def apply_replicate(self, mesh: DeviceMesh) -> None:
+        """Replicate every model with trainable parameters over ``mesh`` with DDP."""
+        backend = DDPBackend()
+        for name, model in self.named_models().items():
+            if any(p.requires_grad for p in model.parameters()):
+                setattr(self, name, backend.wrap(model, mesh, self.world.device))
+
+    # -- AbstractTrainer ---------------------------------------------------------------------
+    def configure(self) -> None:
+        """Run ``configure_models()`` on the meta device and record the models it assigned.
+
+        Raises:
+            ValueError: if it assigned no ``nn.Module``.
+        """
+        before = dict(vars(self))
+        with torch.device("meta"):
+            self.configure_models()
+        self._model_names = _assigned(self, before, nn.Module)
+        if not self._model_names:
+            raise ValueError(
+                f"{type(self).__name__}.configure_models() assigned no nn.Module to self: "
+                "create the models there, e.g. `self.model = nn.Linear(4, 2)`"
+            )
+
+    def setup(self) -> None:
+        """Parallelize, materialize and wrap the models; then optimizers, schedulers, data."""
+        self._apply_parallelism()
+        self._materialize_models()
+        dims = self.world.dims
+        if dims.dp_replicate > 1 and dims.dp_shard == 1:
+            mesh = self.world.get_mesh(MeshAxis.DP_REPLICATE)
+            assert mesh is not None
+            self.apply_replicate(mesh)
+        self._setup_optimizers()
+        self._setup_schedulers()
+        self._setup_dataloaders()
+
+    def _apply_parallelism(self) -> None:
+        params = self.config.device_parameters
+        dims = self.world.dims
+        if dims.tp > 1:
+            tp_mesh = self.world.get_mesh(MeshAxis.TP)
+            assert tp_mesh is not None
+            self.apply_tensor_parallel(tp_mesh)
+        if params.checkpoint_activations:
+            self.apply_activation_checkpointing()
+        if params.compile_model:
+            self.apply_compile()
+        if dims.dp_shard > 1:
+            self.apply_fully_shard({})
+
+    def _materialize_models(self) -> None:
+        device = self.world.device
+        # Re-seed so the weights depend only on the seed, whatever configure_models drew.
+        self.world.seed(self.config.seed)
+        for model in self.named_models().values():
+            if has_meta_tensors(model):
+                materialize(model, device)
+            else:
+                model.to(device)
+        self.init_weights()
+        bad = [entry for name, model in self.named_models().items()
+               for entry in find_uninitialized(name, model)]
+        if bad:
+            raise RuntimeError(
+                "some model tensors were never initialized: " + ", ".join(bad[:10])
+                + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+                + ". Give their module a reset_parameters() method or set them in "
+                "init_weights() (buffers computed in __init__ are lost on the meta device)"
+            )
+
+    def _setup_optimizers(self) -> None:
+        before = dict(vars(self))
+        returned = self.configure_optimizers()
+        self._optimizer_names = _assigned(self, before, torch.optim.Optimizer)
+        self._unnamed_optimizers = {}
+        if returned is not None:
+            if not isinstance(returned, Mapping):
+                raise TypeError(
+                    "configure_optimizers() must return None or {model: optimizer}, got "
+                    f"{type(returned).__name__}"
+                )
+            known = {id(opt) for opt in self.named_optimizers().values()}
+            model_names = {id(model): name for name, model in self.named_models().items()}
+            for model, optimizer in returned.items():
+                if not isinstance(optimizer, torch.optim.Optimizer) or id(model) not in model_names:
+                    raise TypeError(
+                        "configure_optimizers() must map models assigned in configure_models "
+                        f"to optimizers; got {type(model).__name__} -> {type(optimizer).__name__}"
+                    )
+                if id(optimizer) not in known:
+                    self._unnamed_optimizers[f"{model_names[id(model)]}_optimizer"] = optimizer
+        if not self.named_optimizers():
+            raise ValueError(
+                f"{type(self).__name__}.configure_optimizers() created no optimizer: assign "
+                "one, e.g. `self.optimizer = torch.optim.AdamW(self.model.parameters())`"
+            )
+
+    def _setup_schedulers(self) -> None:
+        before = dict(vars(self))
+        self.configure_schedulers()
+        self._scheduler_names = _assigned(self, before, LRScheduler)
+
+    def _setup_dataloaders(self) -> None:
+        loaders = self.configure_dataloaders()
+        if not (isinstance(loaders, tuple) and len(loaders) == 2):
+            raise TypeError(
+                "configure_dataloaders() must return (train_loader, val_loader); return "
+                "(train_loader, None) for no validation"
+            )
+        train, val = loaders
+        if train is None:
+            raise ValueError("configure_dataloaders() returned no train loader")
+        seed = self.config.seed if self.config.seed is not None else 0
+        world = self.world
+        self._train_loader = distribute_loader(train, world.dp_size, world.dp_rank, seed)
+        self._val_loader = distribute_loader(val, world.dp_size, world.dp_rank, seed)
+
+    # -- accessors ---------------------------------------------------------------------------
+    def named_models(self) -> dict[str, nn.Module]:
+        return {name: getattr(self, name) for name in self._model_names}
+
+    def named_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        named = {name: getattr(self, name) for name in self._optimizer_names}
+        return {**named, **self._unnamed_optimizers}
+
+    def named_schedulers(self) -> dict[str, LRScheduler]:
+        return {name: getattr(self, name) for name in self._scheduler_names}
+
+    @property
+    def train_dataloader(self) -> Iterable[Any]:
+        if self._train_loader is None:
+            raise RuntimeError("the train dataloader exists only after setup()")
+        return self._train_loader
+
+    @property
+    def val_dataloader(self) -> Iterable[Any] | None:
+        return self._val_loader
+
+
+def _assigned(owner: object, before: dict[str, Any], kind: type) -> list[str]:
+    """Attributes of ``owner`` of type ``kind`` that are new or replaced since ``before``."""
+    return [name for name, value in vars(owner).items()
+            if isinstance(value, kind) and before.get(name) is not value]

@@ -1,0 +1,66 @@
+"""Data-parallel backends: what differs between a single device, DDP and FSDP2."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+
+from dream_trainer.world.dims import ParallelDims
+
+
+class DataParallelBackend(ABC):
+    """How models are replicated and how gradient synchronisation is switched off.
+
+    The trainer turns synchronisation off for every micro-batch but the last of an
+    accumulation window, before that micro-batch's forward pass.
+    """
+
+    name: str
+
+    @abstractmethod
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        """Enable or disable gradient synchronisation for ``model``'s next backward."""
+
+
+class NoDataParallel(DataParallelBackend):
+    """One data-parallel rank: nothing to synchronise."""
+
+    name = "single"
+
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        return None
+
+
+class DDPBackend(DataParallelBackend):
+    """``DistributedDataParallel`` over the data-parallel mesh."""
+
+    name = "ddp"
+
+    def wrap(self, model: nn.Module, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+        """Wrap ``model`` in DDP; rank 0's parameters and buffers are broadcast to all ranks."""
+        return DistributedDataParallel(
+            model,
+            process_group=mesh.get_group(),
+            device_ids=[device] if device.type == "cuda" else None,
+        )
+
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        # DDP decides whether to prepare its reducer during forward, so this must be set before
+        # the forward pass of the micro-batch, not just before backward.
+        if isinstance(model, DistributedDataParallel):
+            model.require_backward_grad_sync = enabled
+
+
+def backend_for(dims: ParallelDims) -> DataParallelBackend:
+    """The backend that matches the resolved mesh degrees."""
+    if dims.dp_shard > 1:
+        raise NotImplementedError(
+            "dp_shard > 1 (FSDP2) is not available yet: use DeviceParameters.DDP()"
+        )
+    if dims.dp_replicate > 1:
+        return DDPBackend()
+    return NoDataParallel()

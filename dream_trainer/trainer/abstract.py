@@ -1,0 +1,103 @@
+"""``AbstractTrainer``: the interface every trainer and mixin builds on."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from pydantic import Field
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from dream_trainer.callbacks.collection import CallbackCollection
+from dream_trainer.callbacks.hooks import TrainerHooks
+from dream_trainer.configs.base import ConfigModel
+from dream_trainer.configs.device import DeviceParameters
+from dream_trainer.world.world import DistributedWorld
+
+
+class AbstractTrainerConfig(ConfigModel):
+    """Identity of a run and where it runs.
+
+    ``project``/``group``/``experiment`` name the run in logs and checkpoint paths.
+    """
+
+    project: str = Field(min_length=1)
+    """Project name (top level of logs and checkpoints)."""
+    group: str = Field(min_length=1)
+    """Group of related experiments within the project."""
+    experiment: str = Field(min_length=1)
+    """This run's name within the group."""
+    seed: int | None = 42
+    """Seed for python, numpy and torch on every rank; ``None`` leaves them unseeded."""
+    device_parameters: DeviceParameters = Field(default_factory=DeviceParameters)
+    """Mesh, precision and device; by default data parallel over every launched rank."""
+
+
+class AbstractTrainer(TrainerHooks, ABC):
+    """The contract between the loop, the mixins and user code.
+
+    The hook methods inherited from ``TrainerHooks`` are no-ops here; a subclass or mixin that
+    overrides one must call ``super()``. They live on this class, last in any trainer's MRO,
+    so that a mixin listed after ``BaseTrainer`` can still override them.
+    """
+
+    config: AbstractTrainerConfig
+    world: DistributedWorld
+    callbacks: CallbackCollection
+
+    # -- phases --------------------------------------------------------------------------
+    @abstractmethod
+    def fit(self) -> None:
+        """Run the whole lifecycle: launch, configure, setup, train, teardown."""
+
+    @abstractmethod
+    def configure(self) -> None:
+        """Create the models (on the meta device, without storage)."""
+
+    @abstractmethod
+    def setup(self) -> None:
+        """Parallelize and materialize models; create optimizers, schedulers and loaders."""
+
+    # -- what the trainer owns -------------------------------------------------------------
+    @abstractmethod
+    def named_models(self) -> dict[str, nn.Module]:
+        """The models, by attribute name (wrapped by DDP/FSDP where that applies)."""
+
+    @abstractmethod
+    def named_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """The optimizers, by attribute name."""
+
+    @abstractmethod
+    def named_schedulers(self) -> dict[str, LRScheduler]:
+        """The learning-rate schedulers, by attribute name."""
+
+    @property
+    @abstractmethod
+    def train_dataloader(self) -> Iterable[Any]:
+        """The training data loader."""
+
+    @property
+    @abstractmethod
+    def val_dataloader(self) -> Iterable[Any] | None:
+        """The validation data loader, or None for no validation."""
+
+    # -- user steps --------------------------------------------------------------------------
+    @abstractmethod
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        """Forward, ``self.backward(loss)`` and, at the end of a window, ``self.step(...)``."""
+
+    @abstractmethod
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        """Compute validation values for one batch (gradients are disabled)."""
+
+    # -- state -----------------------------------------------------------------------------
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's own resumable state (counters and callback states)."""
+
+    @abstractmethod
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""

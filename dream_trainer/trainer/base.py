@@ -1,0 +1,390 @@
+"""``BaseTrainer``: the training loop, its counters, and the step API."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import Field
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from dream_trainer.callbacks.collection import CallbackCollection
+from dream_trainer.configs.training import TrainingParameters
+from dream_trainer.parallel.data_parallel import DataParallelBackend, backend_for
+from dream_trainer.parallel.grad_norm import clip_grad_norm
+from dream_trainer.trainer.abstract import AbstractTrainer, AbstractTrainerConfig
+from dream_trainer.utils.averaging import ResultAverager
+from dream_trainer.utils.batch import move_to_device
+from dream_trainer.world.world import DistributedWorld
+
+logger = logging.getLogger(__name__)
+
+
+class BaseTrainerConfig(AbstractTrainerConfig):
+    """Adds the training schedule and the callbacks to the run identity."""
+
+    training_parameters: TrainingParameters
+    """Epochs, batch sizes, accumulation, validation cadence, clipping."""
+    callbacks: CallbackCollection = Field(default_factory=CallbackCollection)
+    """Callbacks whose hooks run during ``fit()``, in this order."""
+
+
+class BaseTrainer(AbstractTrainer):
+    """The training loop: epochs, micro-batches, accumulation, validation and callbacks.
+
+    Subclasses provide models, optimizers and data (``SetupMixin``) and the two steps.
+    ``training_step`` calls ``self.backward(loss)`` and, when ``is_accumulating_gradients``
+    is False, ``self.step(model, optimizer)``.
+
+    Args:
+        config: The run's configuration; never modified by the trainer.
+
+    Raises:
+        MeshMismatchError: if the mesh degrees do not fit the launched world size.
+        TypeError: if a callback requires a trainer capability this class lacks.
+    """
+
+    config: BaseTrainerConfig
+
+    def __init__(self, config: BaseTrainerConfig, *args: Any, **kwargs: Any) -> None:
+        self.config = config
+        self.world = DistributedWorld(config.device_parameters)
+        self.data_parallel: DataParallelBackend = backend_for(self.world.dims)
+        self.callbacks = CallbackCollection(config.callbacks)
+        self.training = False
+        self.sanity_checking = False
+        self.global_step = 0
+        self.local_batches = 0
+        self.current_epoch = 0
+        self._batch_idx = 0
+        self._train_steps_per_epoch = 0
+        super().__init__(*args, **kwargs)
+        self.callbacks.attach(self)
+
+    # -- the lifecycle -----------------------------------------------------------------------
+    def fit(self) -> None:
+        """Launch, configure, set up, train; always tear the process group down.
+
+        Raises:
+            Exception: whatever a phase raised, after ``on_exception`` hooks ran and the
+                failure was logged with this process's rank.
+        """
+        completed = False
+        try:
+            self._launch()
+            self._configure()
+            self._setup()
+            self._train()
+            completed = True
+        except BaseException as exc:
+            self._report_failure(exc)
+            raise
+        finally:
+            self.world.shutdown(graceful=completed)
+
+    def _launch(self) -> None:
+        self._fire("pre_launch")
+        self.world.launch()
+        self.world.seed(self.config.seed)
+
+    def _configure(self) -> None:
+        self._fire("pre_configure")
+        self.configure()
+        self._fire("post_configure")
+
+    def _setup(self) -> None:
+        self._fire("pre_setup")
+        self.setup()
+        self._train_steps_per_epoch = self._plan_train_steps()
+        self._fire("post_setup")
+
+    def _train(self) -> None:
+        self._fire("pre_fit")
+        self._sanity_check()
+        while self.current_epoch < self.training_parameters.n_epochs and not self._max_steps_reached():
+            self._run_epoch()
+        self._fire("post_fit")
+
+    def _sanity_check(self) -> None:
+        steps = self.training_parameters.num_sanity_val_steps
+        if steps == 0 or self.val_dataloader is None:
+            return
+        self.sanity_checking = True
+        try:
+            self._validation_epoch(steps)
+        finally:
+            self.sanity_checking = False
+
+    def _run_epoch(self) -> None:
+        self._fire("pre_epoch")
+        self._train_epoch()
+        if self.val_dataloader is not None and self.training_parameters.val_every_n_steps is None:
+            self._validation_epoch(self.training_parameters.val_steps_per_epoch)
+        self._fire("post_epoch")
+        self.current_epoch += 1
+
+    # -- training ------------------------------------------------------------------------------
+    @property
+    def training_parameters(self) -> TrainingParameters:
+        return self.config.training_parameters
+
+    @property
+    def is_accumulating_gradients(self) -> bool:
+        """True on every micro-batch of an accumulation window but the last.
+
+        ``step()`` may only be called when this is False.
+        """
+        accumulation = self.training_parameters.gradient_accumulation_steps
+        return self.training and (self._batch_idx + 1) % accumulation != 0
+
+    def _train_epoch(self) -> None:
+        self._set_train_mode(True)
+        _set_sampler_epoch(self.train_dataloader, self.current_epoch)
+        self._fire("pre_train_epoch")
+        averager = ResultAverager(self.world.device)
+        n_batches = self._train_steps_per_epoch * self.training_parameters.gradient_accumulation_steps
+        seen = 0
+        for batch_idx, batch in enumerate(itertools.islice(self.train_dataloader, n_batches)):
+            seen += 1
+            self._train_batch(batch, batch_idx, averager)
+            if not self.is_accumulating_gradients and self._after_optimizer_step():
+                break
+        if seen == 0:
+            raise RuntimeError(
+                f"the train dataloader yielded no batches in epoch {self.current_epoch}: "
+                "check that the dataset is not empty and that an iterable dataset restarts"
+            )
+        if self.is_accumulating_gradients:
+            self._drop_partial_window()
+        self._set_train_mode(False)
+        self._fire("post_train_epoch", averager.compute())
+
+    def _train_batch(self, batch: Any, batch_idx: int, averager: ResultAverager) -> None:
+        self._batch_idx = batch_idx
+        if self.training_parameters.gradient_accumulation_steps > 1:
+            sync = not self.is_accumulating_gradients
+            for model in self.named_models().values():
+                self.data_parallel.set_gradient_sync(model, sync)
+        batch = move_to_device(batch, self.world.device)
+        self._fire("pre_train_batch", batch, batch_idx)
+        result = _check_result(self.training_step(batch, batch_idx), "training_step")
+        self.local_batches += 1
+        if not self.is_accumulating_gradients:
+            self.global_step += 1
+        averager.update(result)
+        self._fire("post_train_batch", result, batch_idx)
+
+    def _after_optimizer_step(self) -> bool:
+        """Run what follows an optimizer step; return True to end the epoch early."""
+        if self.global_step == 1:
+            self.world.set_timeout(self.config.device_parameters.train_timeout)
+        every = self.training_parameters.val_every_n_steps
+        if every is not None and self.global_step % every == 0 and self.val_dataloader is not None:
+            self._validation_epoch(self.training_parameters.val_steps_per_epoch)
+            self._set_train_mode(True)
+        return self._max_steps_reached()
+
+    def _max_steps_reached(self) -> bool:
+        max_steps = self.training_parameters.max_steps
+        return max_steps is not None and self.global_step >= max_steps
+
+    def _drop_partial_window(self) -> None:
+        # An iterable loader ran out mid-window: those gradients would leak into the next
+        # epoch's first step, scaled for a full window they never formed.
+        logger.warning(
+            "epoch %d ended inside an accumulation window (batch %d); its gradients are "
+            "discarded", self.current_epoch, self._batch_idx,
+        )
+        for optimizer in self.named_optimizers().values():
+            optimizer.zero_grad(set_to_none=True)
+
+    # -- the step API ----------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` scaled by ``1 / gradient_accumulation_steps``.
+
+        Gradient synchronisation is already disabled on accumulating micro-batches.
+
+        Raises:
+            RuntimeError: if called outside a training step.
+        """
+        if not self.training:
+            raise RuntimeError("backward() may only be called inside training_step")
+        accumulation = self.training_parameters.gradient_accumulation_steps
+        (loss / accumulation if accumulation > 1 else loss).backward()
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler: LRScheduler | None = None) -> torch.Tensor:
+        """Clip, step the optimizer, zero the gradients and step the scheduler.
+
+        Args:
+            model: The model whose gradient norm is measured and clipped.
+            optimizer: The optimizer to step.
+            scheduler: The scheduler to step; by default the one configured for ``optimizer``.
+
+        Returns:
+            The total gradient norm before clipping, a 0-dim tensor (no host sync).
+
+        Raises:
+            RuntimeError: if called on a micro-batch that is still accumulating.
+        """
+        if self.is_accumulating_gradients:
+            raise RuntimeError(
+                f"step() called on micro-batch {self._batch_idx}, which is still accumulating "
+                f"(gradient_accumulation_steps={self.training_parameters.gradient_accumulation_steps}): "
+                "call it only when `not self.is_accumulating_gradients`"
+            )
+        self._fire("pre_optimizer_step", model, optimizer)
+        grad_norm = clip_grad_norm(model.parameters(), self.training_parameters.gradient_clip_val)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is None:
+            scheduler = self._scheduler_for(optimizer)
+        if scheduler is not None:
+            scheduler.step()
+        self._fire("post_optimizer_step", model, optimizer)
+        return grad_norm
+
+    def _scheduler_for(self, optimizer: torch.optim.Optimizer) -> LRScheduler | None:
+        for scheduler in self.named_schedulers().values():
+            if scheduler.optimizer is optimizer:
+                return scheduler
+        return None
+
+    # -- validation ---------------------------------------------------------------------------------
+    def _validation_epoch(self, max_batches: int | None) -> dict[str, float]:
+        loader = self.val_dataloader
+        if loader is None:
+            return {}
+        self.training = False
+        self._set_train_mode(False)
+        self._fire("pre_val_epoch")
+        averager = ResultAverager(self.world.device)
+        with torch.no_grad():
+            for batch_idx, batch in enumerate(itertools.islice(loader, max_batches)):
+                batch = move_to_device(batch, self.world.device)
+                self._fire("pre_val_batch", batch, batch_idx)
+                result = _check_result(self.validation_step(batch, batch_idx), "validation_step")
+                averager.update(result)
+                self._fire("post_val_batch", result, batch_idx)
+        result = averager.compute()
+        self._fire("post_val_epoch", result)
+        return result
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _fire(self, hook: str, *args: Any) -> None:
+        """Run the trainer's own hook, then every callback's, in insertion order."""
+        getattr(self, hook)(*args)
+        for listener in self.callbacks.listeners(hook):
+            listener(*args)
+
+    def _set_train_mode(self, training: bool) -> None:
+        self.training = training
+        for model in self.named_models().values():
+            model.train(training)
+
+    def _plan_train_steps(self) -> int:
+        """Optimizer steps per epoch, checked against the loader and agreed by every rank."""
+        loader = self.train_dataloader
+        params = self.training_parameters
+        accumulation = params.gradient_accumulation_steps
+        try:
+            n_batches: int | None = len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            n_batches = None
+        if n_batches == 0:
+            raise ValueError(
+                "the train dataloader is empty (0 batches on this rank): check the dataset, "
+                "and that batch_size with drop_last=True does not exceed the rank's share"
+            )
+        if n_batches is None:
+            if params.train_steps_per_epoch is None:
+                raise ValueError(
+                    "the train dataloader has no length (an iterable dataset): set "
+                    "training_parameters.train_steps_per_epoch"
+                )
+            steps = params.train_steps_per_epoch
+        else:
+            steps = n_batches // accumulation
+            if steps == 0:
+                raise ValueError(
+                    f"the train dataloader has {n_batches} batches per rank, fewer than "
+                    f"gradient_accumulation_steps={accumulation}: use more data or a smaller "
+                    "batch or accumulation"
+                )
+            if params.train_steps_per_epoch is not None:
+                steps = min(steps, params.train_steps_per_epoch)
+            elif n_batches % accumulation:
+                logger.warning(
+                    "the train dataloader has %d batches, not a multiple of "
+                    "gradient_accumulation_steps=%d: the last %d batches of each epoch are "
+                    "not used", n_batches, accumulation, n_batches % accumulation,
+                )
+        return self._agree_on_steps(steps)
+
+    def _agree_on_steps(self, steps: int) -> int:
+        # Ranks with different loader lengths would otherwise wait forever in a collective.
+        if not (dist.is_initialized() and self.world.world_size > 1):
+            return steps
+        agreed = torch.tensor([steps], dtype=torch.int64, device=self.world.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        if int(agreed) != steps:
+            logger.warning(
+                "rank %d has %d optimizer steps per epoch but another rank has only %d: every "
+                "rank runs %d (give every rank the same amount of data)",
+                self.world.rank, steps, int(agreed), int(agreed),
+            )
+        return int(agreed)
+
+    def _report_failure(self, exc: BaseException) -> None:
+        where = f"epoch {self.current_epoch}, global step {self.global_step}"
+        if self.training:
+            where += f", batch {self._batch_idx}"
+        message = (f"fit() failed on rank {self.world.rank} of {self.world.world_size} "
+                   f"({where}): {type(exc).__name__}: {exc}")
+        logger.error(message)
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"dream_trainer: raised on rank {self.world.rank} of "
+                         f"{self.world.world_size} ({where})")
+        try:
+            self._fire("on_exception", exc)
+        except Exception:
+            logger.exception("an on_exception hook failed while handling: %s", message)
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The loop counters and every callback's state."""
+        return {
+            "global_step": self.global_step,
+            "current_epoch": self.current_epoch,
+            "callbacks": self.callbacks.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.global_step = int(state_dict["global_step"])
+        self.current_epoch = int(state_dict["current_epoch"])
+        self.callbacks.load_state_dict(state_dict.get("callbacks", {}))
+
+
+def _check_result(result: Any, step_name: str) -> dict[str, Any]:
+    if not isinstance(result, Mapping):
+        raise TypeError(
+            f"{step_name} must return a dict of values (for example {{'loss': loss}}), "
+            f"got {type(result).__name__}"
+        )
+    return dict(result) if not isinstance(result, dict) else result
+
+
+def _set_sampler_epoch(loader: Iterable[Any], epoch: int) -> None:
+    """Call ``set_epoch`` on the loader's sampler(s), so shuffling differs per epoch."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    samplers = {id(s): s for s in (getattr(loader, "sampler", None),
+                                   getattr(batch_sampler, "sampler", None)) if s is not None}
+    for sampler in samplers.values():
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)

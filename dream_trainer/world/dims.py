@@ -1,0 +1,91 @@
+"""Mesh axes and the resolution of configured degrees against the real world size."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from dream_trainer.configs.device import DeviceParameters
+
+
+class MeshAxis(str, Enum):
+    """Names of the device-mesh dimensions, outermost first, plus flattened views."""
+
+    PP = "pp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    CP = "cp"
+    TP = "tp"
+    DP = "dp"
+    """Flattened dp_replicate x dp_shard view, present when both are > 1."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class MeshMismatchError(ValueError):
+    """The configured mesh degrees do not fit the number of launched processes."""
+
+
+# Config field for each physical axis, in mesh order (tensor parallel innermost, so that its
+# frequent collectives stay on the fastest links).
+_AXIS_FIELDS = (
+    (MeshAxis.PP, "pipeline_parallel"),
+    (MeshAxis.DP_REPLICATE, "dp_replicate"),
+    (MeshAxis.DP_SHARD, "dp_shard"),
+    (MeshAxis.CP, "context_parallel"),
+    (MeshAxis.TP, "tensor_parallel"),
+)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Concrete mesh degrees for one world size: the resolved form of ``DeviceParameters``."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+
+    @classmethod
+    def resolve(cls, params: DeviceParameters, world_size: int) -> ParallelDims:
+        """Replace an ``"auto"`` degree with what the world size leaves over.
+
+        Raises:
+            MeshMismatchError: if the degrees cannot multiply to ``world_size``.
+        """
+        degrees = {axis: getattr(params, name) for axis, name in _AXIS_FIELDS}
+        fixed = math.prod(d for d in degrees.values() if d != "auto")
+        described = " x ".join(f"{name}={degrees[axis]}" for axis, name in _AXIS_FIELDS)
+        auto = [axis for axis, degree in degrees.items() if degree == "auto"]
+        if auto:
+            if world_size % fixed:
+                raise MeshMismatchError(
+                    f"mesh {described} cannot fill world size {world_size}: the fixed degrees "
+                    f"multiply to {fixed}, which does not divide {world_size}; launch a multiple "
+                    f"of {fixed} processes or change the degrees"
+                )
+            degrees[auto[0]] = world_size // fixed
+        elif fixed != world_size:
+            raise MeshMismatchError(
+                f"mesh {described} has {fixed} ranks but the world size is {world_size}: make "
+                f"the degrees multiply to {world_size}, set one of them to 'auto', or launch "
+                f"with --nproc_per_node={fixed}"
+            )
+        return cls(*(int(degrees[axis]) for axis, _ in _AXIS_FIELDS))
+
+    @property
+    def dp(self) -> int:
+        """Total data-parallel degree (replicas x shards)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    def mesh_axes(self) -> list[tuple[MeshAxis, int]]:
+        """The physical mesh axes of size > 1, outermost first."""
+        return [(axis, getattr(self, axis.value)) for axis, _ in _AXIS_FIELDS
+                if getattr(self, axis.value) > 1]

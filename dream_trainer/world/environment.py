@@ -1,0 +1,53 @@
+"""The launcher's environment, read in exactly one place."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LaunchEnvironment:
+    """What the launcher (torchrun, or none) told this process about its place in the world.
+
+    Attributes:
+        rank: Global rank of this process.
+        local_rank: Rank on this node; picks the CUDA device.
+        world_size: Number of processes in the job.
+        local_world_size: Number of processes on this node.
+        launched: True when a launcher set ``RANK``/``WORLD_SIZE`` (torchrun, SLURM wrappers).
+        restart_count: How many times torchrun has restarted this worker group.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    launched: bool = False
+    restart_count: int = 0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnvironment:
+        """Read torchrun's variables; a plain ``python train.py`` gives a world of one.
+
+        Raises:
+            ValueError: if the variables are present but inconsistent.
+        """
+        env = os.environ if environ is None else environ
+        if "RANK" not in env and "WORLD_SIZE" not in env:
+            return cls()
+        try:
+            rank = int(env["RANK"])
+            world_size = int(env["WORLD_SIZE"])
+            local_rank = int(env.get("LOCAL_RANK", rank))
+            local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
+            restart_count = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
+        except (KeyError, ValueError) as exc:
+            raise ValueError(
+                f"incomplete launcher environment ({exc}): RANK and WORLD_SIZE must both be "
+                "integers; launch with torchrun, or unset them to run a single process"
+            ) from exc
+        if not 0 <= rank < world_size:
+            raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+        return cls(rank, local_rank, world_size, local_world_size, True, restart_count)

@@ -1,0 +1,201 @@
+"""``DistributedWorld``: rank, device, process group and device mesh of one run."""
+
+from __future__ import annotations
+
+import logging
+import random
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from dream_trainer.configs.device import DeviceParameters
+from dream_trainer.world.dims import MeshAxis, ParallelDims
+from dream_trainer.world.environment import LaunchEnvironment
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedWorld:
+    """The topology of a run: who this process is, which device it drives, and the mesh.
+
+    Construction reads the launcher environment and resolves the mesh degrees, so a mesh that
+    does not fit the world size fails here, before any process group or collective exists.
+    ``launch()`` creates the process group and mesh; ``shutdown()`` tears down what
+    ``launch()`` created.
+
+    Args:
+        device_parameters: The configured mesh degrees, device and timeouts.
+        env: The launcher environment; read from ``os.environ`` when omitted.
+
+    Raises:
+        MeshMismatchError: if the degrees cannot multiply to the world size.
+        ValueError: if ``device="cuda"`` is asked for without a CUDA device.
+    """
+
+    def __init__(self, device_parameters: DeviceParameters,
+                 env: LaunchEnvironment | None = None) -> None:
+        self.env = env if env is not None else LaunchEnvironment.from_environ()
+        self.device_parameters = device_parameters
+        self.dims = ParallelDims.resolve(device_parameters, self.env.world_size)
+        self.device = self._pick_device(device_parameters.device, self.env.local_rank)
+        self.mesh: DeviceMesh | None = None
+        self._flat_meshes: dict[MeshAxis, DeviceMesh] = {}
+        self._owns_process_group = False
+
+    @staticmethod
+    def _pick_device(choice: str, local_rank: int) -> torch.device:
+        if choice == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is available: use 'auto' or 'cpu'")
+        if choice != "cpu" and torch.cuda.is_available():
+            return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
+    # -- identity ---------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def backend(self) -> str:
+        """gloo on the CPU; nccl for CUDA tensors with gloo kept for CPU-side collectives."""
+        return "cuda:nccl,cpu:gloo" if self.device.type == "cuda" else "gloo"
+
+    @property
+    def is_launched(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    # -- mesh -------------------------------------------------------------------------------
+    def get_mesh(self, axis: MeshAxis) -> DeviceMesh | None:
+        """The sub-mesh of one axis (or flattened view), or None when that axis has size 1."""
+        if axis in self._flat_meshes:
+            return self._flat_meshes[axis]
+        if self.mesh is None or axis.value not in (self.mesh.mesh_dim_names or ()):
+            return None
+        return self.mesh[axis.value]
+
+    @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        """The mesh over every data-parallel rank (replicas and shards), or None."""
+        for axis in (MeshAxis.DP, MeshAxis.DP_SHARD, MeshAxis.DP_REPLICATE):
+            mesh = self.get_mesh(axis)
+            if mesh is not None:
+                return mesh
+        return None
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks: which slice of the data it reads."""
+        mesh = self.dp_mesh
+        return 0 if mesh is None else mesh.get_local_rank()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def launch(self) -> None:
+        """Create the process group (unless one exists) and the named device mesh.
+
+        A process group that already exists is reused and left alone by ``shutdown()``.
+        Without a launcher, a one-process group on an in-memory store is created, so that
+        collectives and meshes behave the same in a plain ``python train.py``.
+        """
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if not dist.is_initialized():
+            timeout = self.device_parameters.init_timeout
+            if self.env.launched:
+                dist.init_process_group(self.backend, timeout=timeout)
+            else:
+                dist.init_process_group(self.backend, store=dist.HashStore(), rank=0,
+                                        world_size=1, timeout=timeout)
+            self._owns_process_group = True
+        elif dist.get_world_size() != self.world_size:
+            raise RuntimeError(
+                f"an existing process group has {dist.get_world_size()} ranks but the launcher "
+                f"environment says {self.world_size}"
+            )
+        self._build_mesh()
+
+    def _build_mesh(self) -> None:
+        axes = self.dims.mesh_axes()
+        if not axes:
+            return
+        self.mesh = init_device_mesh(
+            self.device.type,
+            tuple(size for _, size in axes),
+            mesh_dim_names=tuple(axis.value for axis, _ in axes),
+        )
+        if self.dims.dp_replicate > 1 and self.dims.dp_shard > 1:
+            dp = self.mesh[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]
+            self._flat_meshes[MeshAxis.DP] = dp._flatten(MeshAxis.DP.value)
+
+    def seed(self, seed: int | None) -> None:
+        """Seed python, numpy and torch (every device) with the same seed on every rank.
+
+        The same seed everywhere makes every rank build identical initial weights, which
+        data parallelism requires. ``None`` leaves the generators as they are.
+        """
+        if seed is None:
+            return
+        random.seed(seed)
+        torch.manual_seed(seed)
+        try:
+            import numpy as np
+        except ImportError:
+            return
+        np.random.seed(seed % 2**32)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Apply a new collective timeout to the default group and every mesh group."""
+        if not self.is_launched:
+            return
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        groups = {dist.group.WORLD}
+        if self.mesh is not None:
+            groups.update(self.mesh.get_all_groups())
+        groups.update(mesh.get_group() for mesh in self._flat_meshes.values())
+        for group in groups:
+            _set_pg_timeout(timeout, group)
+
+    def barrier(self) -> None:
+        if self.is_launched and self.world_size > 1:
+            dist.barrier()
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Destroy the process group created by ``launch()``.
+
+        Args:
+            graceful: When True, all ranks meet at a barrier first: an abrupt gloo teardown
+                while a peer is still communicating can abort the process. After a failure
+                the peers may never arrive, so the barrier is skipped.
+        """
+        self.mesh = None
+        self._flat_meshes.clear()
+        if not (self._owns_process_group and dist.is_initialized()):
+            return
+        try:
+            if graceful:
+                self.barrier()
+        finally:
+            dist.destroy_process_group()
+            self._owns_process_group = False
+
+    def __repr__(self) -> str:
+        return (f"DistributedWorld(rank={self.rank}, world_size={self.world_size}, "
+                f"device={self.device}, dims={self.dims})")
