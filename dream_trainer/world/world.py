@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 from datetime import timedelta
@@ -15,6 +16,12 @@ from dream_trainer.world.dims import MeshAxis, ParallelDims
 from dream_trainer.world.environment import LaunchEnvironment
 
 logger = logging.getLogger(__name__)
+
+# Numbers the process groups this process creates. torch names every default group "0" in the
+# rendezvous store, so a second group in the same process (a sweep, a second fit()) would read
+# the first one's stale addresses and hang; a per-launch store prefix keeps them apart. Every
+# rank launches the same number of times, so the prefixes agree across ranks.
+_LAUNCH_COUNTER = itertools.count()
 
 
 class DistributedWorld:
@@ -119,7 +126,12 @@ class DistributedWorld:
         if not dist.is_initialized():
             timeout = self.device_parameters.init_timeout
             if self.env.launched:
-                dist.init_process_group(self.backend, timeout=timeout)
+                store, rank, world_size = next(
+                    dist.rendezvous("env://", self.rank, self.world_size, timeout=timeout))
+                store.set_timeout(timeout)
+                prefix = f"dream_trainer/launch_{next(_LAUNCH_COUNTER)}"
+                dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, store),
+                                        rank=rank, world_size=world_size, timeout=timeout)
             else:
                 dist.init_process_group(self.backend, store=dist.HashStore(), rank=0,
                                         world_size=1, timeout=timeout)

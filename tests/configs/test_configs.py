@@ -1,0 +1,135 @@
+"""Config validation: every invalid value is a ValidationError naming the field."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from dream_trainer import BaseTrainerConfig
+from dream_trainer.callbacks import Callback, CallbackCollection
+from dream_trainer.configs import DeviceParameters, TrainingParameters
+from dream_trainer.mixins import SetupConfigMixin
+
+
+class MyConfig(BaseTrainerConfig, SetupConfigMixin):
+    learning_rate: float = 1e-3
+
+
+def make_config(**training: Any) -> MyConfig:
+    return MyConfig(project="p", group="g", experiment="e",
+                    training_parameters=TrainingParameters(
+                        **{"n_epochs": 1, "train_batch_size": 4, **training}))
+
+
+def test_contract_example_composes_and_defaults() -> None:
+    config = MyConfig(project="mnist", group="baseline", experiment="run-001",
+                      training_parameters=TrainingParameters(n_epochs=10, train_batch_size=32,
+                                                             gradient_accumulation_steps=4))
+    assert config.learning_rate == 1e-3
+    assert config.seed == 42
+    tp = config.training_parameters
+    assert (tp.val_batch_size, tp.gradient_accumulation_steps, tp.num_sanity_val_steps) == (32, 4, 0)
+    assert tp.train_steps_per_epoch is None and tp.max_steps is None
+    dp = config.device_parameters
+    assert dp.dp_replicate == "auto" and dp.dp_shard == 1 and dp.tensor_parallel == 1
+    assert dp.param_dtype is torch.float32 and dp.reduce_dtype is torch.float32
+    assert not (dp.compile_model or dp.checkpoint_activations or dp.cpu_offload)
+    assert isinstance(config.callbacks, CallbackCollection) and len(config.callbacks) == 0
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"n_epochs": -1}, "n_epochs"),
+    ({"n_epochs": 0}, "n_epochs"),
+    ({"train_batch_size": 0}, "train_batch_size"),
+    ({"val_batch_size": -2}, "val_batch_size"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+    ({"train_steps_per_epoch": 0}, "train_steps_per_epoch"),
+    ({"val_every_n_steps": -5}, "val_every_n_steps"),
+    ({"num_sanity_val_steps": -1}, "num_sanity_val_steps"),
+    ({"gradient_clip_val": 0.0}, "gradient_clip_val"),
+    ({"max_steps": 0}, "max_steps"),
+    ({"n_epochs": "many"}, "n_epochs"),
+    ({"n_epoch": 3}, "n_epoch"),
+])
+def test_invalid_training_parameters_name_the_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        TrainingParameters(**{"n_epochs": 1, "train_batch_size": 4, **kwargs})
+    assert field in {str(loc) for error in info.value.errors() for loc in error["loc"]}
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"dp_shard": "auto", "tensor_parallel": "auto"}, "at most one mesh degree can be 'auto'"),
+    ({"dp_replicate": "auto", "dp_shard": "auto"}, "dp_replicate and dp_shard"),
+    ({"param_dtype": "int8"}, "unknown dtype 'int8'"),
+    ({"reduce_dtype": torch.int32}, "unknown dtype"),
+    ({"dp_replicate": 0}, "greater than 0"),
+    ({"tensor_parallel": -2}, "greater than 0"),
+    ({"context_parallel": 2}, "context_parallel=2 is not supported yet"),
+    ({"pipeline_parallel": 2}, "pipeline_parallel=2 is not supported yet"),
+    ({"cpu_offload": True}, "cpu_offload=True needs FSDP2 sharding"),
+    ({"device": "tpu"}, "device"),
+    ({"init_timeout": timedelta(seconds=-1)}, "must be positive"),
+    ({"dp_sharding": 2}, "dp_sharding"),
+])
+def test_invalid_device_parameters_explain_the_fix(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        DeviceParameters(**kwargs)
+    assert message in str(info.value)
+
+
+def test_dtype_names_and_objects_parse_and_serialize_by_name() -> None:
+    params = DeviceParameters(param_dtype="bf16", reduce_dtype=torch.float16)
+    assert params.param_dtype is torch.bfloat16 and params.reduce_dtype is torch.float16
+    dumped = params.model_dump(mode="json")
+    assert dumped["param_dtype"] == "bfloat16" and dumped["reduce_dtype"] == "float16"
+    assert DeviceParameters.model_validate_json(params.model_dump_json()) == params
+
+
+def test_factories_describe_each_strategy() -> None:
+    assert DeviceParameters.SINGLE_DEVICE().dp_replicate == 1
+    assert DeviceParameters.DDP().dp_replicate == "auto"
+    fsdp = DeviceParameters.FSDP()
+    assert (fsdp.dp_replicate, fsdp.dp_shard) == (1, "auto")
+    hsdp = DeviceParameters.HSDP(dp_shard=4)
+    assert (hsdp.dp_replicate, hsdp.dp_shard) == ("auto", 4)
+    assert DeviceParameters.DDP(param_dtype="bf16").param_dtype is torch.bfloat16
+    # Asking for one auto degree leaves dp_replicate fixed at 1 instead of clashing.
+    assert DeviceParameters(tensor_parallel="auto").dp_replicate == 1
+
+
+def test_val_batch_size_defaults_to_train_batch_size() -> None:
+    assert TrainingParameters(n_epochs=1, train_batch_size=7).val_batch_size == 7
+    assert TrainingParameters(n_epochs=1, train_batch_size=7, val_batch_size=3).val_batch_size == 3
+
+
+def test_run_identity_is_required_and_non_empty() -> None:
+    with pytest.raises(ValidationError, match="experiment"):
+        MyConfig(project="p", group="g",
+                 training_parameters=TrainingParameters(n_epochs=1, train_batch_size=1))
+    with pytest.raises(ValidationError, match="project"):
+        MyConfig(project="", group="g", experiment="e",
+                 training_parameters=TrainingParameters(n_epochs=1, train_batch_size=1))
+
+
+def test_callbacks_accept_a_list_and_reject_other_objects() -> None:
+    class Recorder(Callback):
+        pass
+
+    config = make_config()
+    config2 = MyConfig(**{**config.model_dump(exclude={"callbacks"}),
+                          "callbacks": [Recorder()]})
+    assert isinstance(config2.callbacks, CallbackCollection) and len(config2.callbacks) == 1
+    assert config2.model_dump(mode="json")["callbacks"] == [
+        "test_callbacks_accept_a_list_and_reject_other_objects.<locals>.Recorder"]
+    with pytest.raises(ValidationError, match="CallbackCollection"):
+        MyConfig(**{**config.model_dump(exclude={"callbacks"}), "callbacks": "progress"})
+
+
+def test_assignment_is_validated() -> None:
+    config = make_config()
+    with pytest.raises(ValidationError, match="n_epochs"):
+        config.training_parameters.n_epochs = -3

@@ -1,0 +1,33 @@
+"""Suite-wide guards: no test may leak a process group or launcher variables."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT")
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks() -> Iterator[None]:
+    env_before = {name: os.environ.get(name) for name in LAUNCH_VARS}
+    assert not dist.is_initialized(), "a previous test leaked a process group"
+    yield
+    leaked_group = dist.is_initialized()
+    if leaked_group:
+        dist.destroy_process_group()
+    changed = {name for name in LAUNCH_VARS if os.environ.get(name) != env_before[name]}
+    for name in changed:
+        if env_before[name] is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = env_before[name]  # type: ignore[assignment]
+    assert not leaked_group, "the test left a process group initialized"
+    assert not changed, f"the test changed launcher variables: {sorted(changed)}"

@@ -1,0 +1,81 @@
+"""Launching real multi-process runs for integration tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bind port 0 and let the OS choose)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child process: one thread, no launcher variables inherited."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                        "MASTER_ADDR", "MASTER_PORT"}}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])})
+    env.update(extra or {})
+    return env
+
+
+def torchrun(script: str | Path, args: Sequence[str] = (), nproc: int = 2,
+             timeout: float = 240, env: Mapping[str, str] | None = None,
+             cwd: str | Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` under torchrun with ``nproc`` CPU ranks on 127.0.0.1, on a free port."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc_per_node={nproc}", "--nnodes=1",
+        "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        str(script), *args,
+    ]
+    return subprocess.run(command, env=test_env(env), cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def spawn_ranks(script: str | Path, args: Sequence[str] = (), nproc: int = 2,
+                env: Mapping[str, str] | None = None) -> list[subprocess.Popen[str]]:
+    """Start ``nproc`` processes with torchrun's variables set by hand (no agent to kill
+    the survivors), so a test sees how each rank exits on its own."""
+    port = str(free_port())
+    procs = []
+    for rank in range(nproc):
+        rank_env = test_env({"RANK": str(rank), "LOCAL_RANK": str(rank),
+                             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(env or {})})
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=rank_env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    return procs
+
+
+def init_results_group(name: str) -> None:
+    """In a torchrun script, create a gloo group after the trainers' own groups are gone.
+
+    A bare ``init_process_group()`` would reuse the store keys of the trainers' earlier
+    groups; the ``name`` prefix keeps this one apart.
+    """
+    import torch.distributed as dist
+
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    dist.init_process_group("gloo", store=dist.PrefixStore(name, store), rank=rank,
+                            world_size=world_size)
+
+
+def check(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    """Fail with the child's output when it exited non-zero."""
+    if result.returncode != 0:
+        raise AssertionError(f"exit code {result.returncode}\n--- stdout\n{result.stdout}"
+                             f"\n--- stderr\n{result.stderr}")
+    return result

@@ -1,0 +1,67 @@
+"""Every fenced Python block in README.md and docs/ runs.
+
+The blocks of one Markdown file run in order, in one fresh interpreter, so a page can define
+a trainer in one block and use it in the next; annotations are not evaluated, so signature
+blocks may name types without importing them. A block preceded by the line
+``<!-- test: torchrun -->`` is self-contained and runs on its own under torchrun with 2 ranks.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.launch import REPO, check, test_env, torchrun
+
+FENCE = re.compile(r"(?P<marker><!-- test: torchrun -->\s*\n)?^```python[^\n]*\n(?P<code>.*?)^```",
+                   re.MULTILINE | re.DOTALL)
+
+
+def markdown_files() -> list[Path]:
+    """README.md and every docs page that has at least one python block."""
+    candidates = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    return [path for path in candidates if path.exists() and FENCE.search(path.read_text())]
+
+
+def blocks(path: Path) -> tuple[list[str], list[str]]:
+    """(blocks run in one interpreter, blocks run under torchrun)."""
+    inline, distributed = [], []
+    for match in FENCE.finditer(path.read_text()):
+        (distributed if match.group("marker") else inline).append(match.group("code"))
+    return inline, distributed
+
+
+RUNNER = """
+import __future__, sys
+namespace = {"__name__": "__main__"}
+for index, (name, code) in enumerate(BLOCKS):
+    compiled = compile(code, f"{name} block {index}", "exec",
+                       flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    exec(compiled, namespace)
+"""
+
+
+@pytest.mark.parametrize("path", markdown_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_markdown_python_blocks_run(path: Path, tmp_path: Path) -> None:
+    inline, distributed = blocks(path)
+    name = str(path.relative_to(REPO))
+    if inline:
+        script = tmp_path / "page.py"
+        script.write_text(f"BLOCKS = {[(name, code) for code in inline]!r}\n{RUNNER}")
+        result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=test_env(),
+                                capture_output=True, text=True, timeout=300)
+        check(result)
+    for index, code in enumerate(distributed):
+        script = tmp_path / f"torchrun_{index}.py"
+        script.write_text(code)
+        check(torchrun(script, cwd=tmp_path))
+
+
+def test_readme_and_api_pages_have_python_blocks() -> None:
+    pages = {path.relative_to(REPO).as_posix() for path in markdown_files()}
+    assert "README.md" in pages
+    assert any(page.startswith("docs/api/") for page in pages)
