@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.launch import REPO, check, test_env, torchrun
+from tests.helpers.launch import REPO, check, child_env, torchrun
 
 FENCE = re.compile(r"(?P<marker><!-- test: torchrun -->\s*\n)?^```python[^\n]*\n(?P<code>.*?)^```",
                    re.MULTILINE | re.DOTALL)
@@ -52,7 +52,7 @@ def test_markdown_python_blocks_run(path: Path, tmp_path: Path) -> None:
     if inline:
         script = tmp_path / "page.py"
         script.write_text(f"BLOCKS = {[(name, code) for code in inline]!r}\n{RUNNER}")
-        result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=test_env(),
+        result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=child_env(),
                                 capture_output=True, text=True, timeout=300)
         check(result)
     for index, code in enumerate(distributed):

@@ -57,17 +57,20 @@ class ResultAverager:
         for key in list(self._pending):
             self._fold(key)
         keys = sorted(self._sums)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if distributed:
             gathered: list[list[str] | None] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, keys)
             keys = sorted({key for rank_keys in gathered for key in rank_keys or ()})
+        if not keys:
+            return {}
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         totals = torch.stack(
             [self._sums.get(key, zero) for key in keys]
             + [torch.tensor(float(self._counts.get(key, 0)), dtype=torch.float64,
                             device=self.device) for key in keys]
-        ) if keys else zero.reshape(0)
-        if keys and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        )
+        if distributed:
             dist.all_reduce(totals)
         sums, counts = totals[: len(keys)].tolist(), totals[len(keys):].tolist()
         return {key: (s / c if c else math.nan) for key, s, c in zip(keys, sums, counts)}

@@ -19,7 +19,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment for a child process: one thread, no launcher variables inherited."""
     env = {k: v for k, v in os.environ.items()
            if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -40,7 +40,7 @@ def torchrun(script: str | Path, args: Sequence[str] = (), nproc: int = 2,
         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
         str(script), *args,
     ]
-    return subprocess.run(command, env=test_env(env), cwd=cwd, capture_output=True, text=True,
+    return subprocess.run(command, env=child_env(env), cwd=cwd, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -51,7 +51,7 @@ def spawn_ranks(script: str | Path, args: Sequence[str] = (), nproc: int = 2,
     port = str(free_port())
     procs = []
     for rank in range(nproc):
-        rank_env = test_env({"RANK": str(rank), "LOCAL_RANK": str(rank),
+        rank_env = child_env({"RANK": str(rank), "LOCAL_RANK": str(rank),
                              "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(env or {})})
         procs.append(subprocess.Popen([sys.executable, str(script), *args], env=rank_env,

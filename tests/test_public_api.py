@@ -1,0 +1,54 @@
+"""The public surface: what imports, what it pulls in, and a snapshot of it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from dream_trainer.callbacks import HOOK_NAMES
+from dream_trainer.configs import DeviceParameters, TrainingParameters
+from tests.helpers.launch import REPO, child_env
+
+SNAPSHOT = {
+    "dream_trainer": ["AbstractTrainer", "AbstractTrainerConfig", "BaseTrainer",
+                      "BaseTrainerConfig"],
+    "dream_trainer.configs": ["ConfigModel", "DeviceParameters", "TrainingParameters"],
+    "dream_trainer.mixins": ["SetupConfigMixin", "SetupMixin"],
+    "dream_trainer.callbacks": ["HOOK_NAMES", "Callback", "CallbackCollection",
+                                "RankZeroCallback", "TrainerHooks"],
+    "dream_trainer.world": ["DistributedWorld", "LaunchEnvironment", "MeshAxis",
+                            "MeshMismatchError", "ParallelDims"],
+}
+
+TRAINING_FIELDS = ["n_epochs", "train_batch_size", "val_batch_size",
+                   "gradient_accumulation_steps", "train_steps_per_epoch", "val_steps_per_epoch",
+                   "val_every_n_steps", "num_sanity_val_steps", "gradient_clip_val", "max_steps"]
+DEVICE_FIELDS = ["dp_replicate", "dp_shard", "context_parallel", "tensor_parallel",
+                 "pipeline_parallel", "device", "param_dtype", "reduce_dtype", "compile_model",
+                 "checkpoint_activations", "cpu_offload", "init_timeout", "train_timeout"]
+
+
+def test_all_matches_the_snapshot() -> None:
+    import importlib
+
+    for module, names in SNAPSHOT.items():
+        assert sorted(importlib.import_module(module).__all__) == sorted(names), module
+
+
+def test_config_fields_match_the_snapshot() -> None:
+    assert list(TrainingParameters.model_fields) == TRAINING_FIELDS
+    assert list(DeviceParameters.model_fields) == DEVICE_FIELDS
+    assert len(HOOK_NAMES) == 20
+
+
+def test_import_pulls_in_no_optional_extra() -> None:
+    code = ("import sys, json, dream_trainer, dream_trainer.mixins, dream_trainer.callbacks\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=REPO,
+                            capture_output=True, text=True, timeout=120, check=True)
+    modules = set(json.loads(result.stdout))
+    assert "torch" in modules  # the probe really ran the import
+    for heavy in ("wandb", "torchmetrics", "lightning", "rich.progress", "rich.console",
+                  "tensorboard", "sklearn"):
+        assert heavy not in modules, heavy
