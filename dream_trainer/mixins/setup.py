@@ -13,8 +13,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.lr_scheduler import LRScheduler
 
 from dream_trainer.configs.base import ConfigModel
+from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.data_parallel import DDPBackend
-from dream_trainer.parallel.materialize import find_uninitialized, has_meta_tensors, materialize
+from dream_trainer.parallel.materialize import (FullTensorInit, any_rank_failed,
+                                                find_uninitialized, has_meta_tensors,
+                                                materialize)
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.utils.dataloader import distribute_loader
 from dream_trainer.world.dims import MeshAxis
@@ -41,7 +44,9 @@ class SetupMixin(AbstractTrainer):
     3. ``apply_compile()`` when ``compile_model``;
     4. ``apply_fully_shard(config)`` when ``dp_shard > 1``;
     5. materialization: ``to_empty`` on the device, every submodule's ``reset_parameters()``,
-       then ``init_weights()``; a tensor left on meta or non-finite is an error naming it;
+       then ``init_weights()``; a tensor left on meta or non-finite is an error naming it.
+       Random initializers of sharded (DTensor) parameters draw the full tensor and keep
+       the local shard, so a sharded model starts from exactly the single-process weights;
     6. ``apply_replicate(dp_mesh)`` when only ``dp_replicate > 1`` (DDP needs real tensors,
        because it broadcasts rank 0's weights when it wraps the model);
     7. ``configure_optimizers()``, ``configure_schedulers()``, ``configure_dataloaders()``
@@ -95,16 +100,46 @@ class SetupMixin(AbstractTrainer):
         )
 
     def apply_activation_checkpointing(self) -> None:
-        """Wrap blocks so their activations are recomputed in backward."""
-        raise NotImplementedError("checkpoint_activations is not available yet: set it to False")
+        """Recompute each block's activations in backward (see ``find_blocks``).
+
+        Override to checkpoint a different set of modules.
+        """
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper)
+
+        for model in self.named_models().values():
+            for container, name, block in find_blocks(model):
+                setattr(container, name, checkpoint_wrapper(block))
 
     def apply_compile(self) -> None:
-        """Compile the models."""
-        raise NotImplementedError("compile_model is not available yet: set it to False")
+        """Compile each block with ``torch.compile`` (each whole model if it has none).
+
+        ``nn.Module.compile()`` silently leaves torch's built-in modules uncompiled, so blocks
+        are replaced by ``torch.compile(block)``; checkpoints strip the wrapper's prefix.
+        """
+        for name, model in self.named_models().items():
+            blocks = find_blocks(model)
+            if not blocks:
+                setattr(self, name, torch.compile(model))
+            for container, block_name, block in blocks:
+                setattr(container, block_name, torch.compile(block))
 
     def apply_fully_shard(self, config: dict[str, Any]) -> None:
-        """Shard the models with FSDP2's ``fully_shard``."""
-        raise NotImplementedError("dp_shard > 1 (FSDP2) is not available yet: use DDP")
+        """Shard each block of every model with FSDP2, then the model itself.
+
+        Args:
+            config: Keyword arguments for ``fully_shard``: the mesh, the
+                ``MixedPrecisionPolicy`` and the offload policy built from
+                ``DeviceParameters``. Pass them on when overriding.
+        """
+        from torch.distributed.fsdp import fully_shard
+
+        for model in self.named_models().values():
+            if not any(p.requires_grad for p in model.parameters()):
+                continue
+            for _, _, block in find_blocks(model):
+                fully_shard(block, **config)
+            fully_shard(model, **config)
 
     def apply_replicate(self, mesh: DeviceMesh) -> None:
         """Replicate every model with trainable parameters over ``mesh`` with DDP."""
@@ -155,7 +190,20 @@ class SetupMixin(AbstractTrainer):
         if params.compile_model:
             self.apply_compile()
         if dims.dp_shard > 1:
-            self.apply_fully_shard({})
+            self.apply_fully_shard(self._fully_shard_config())
+
+    def _fully_shard_config(self) -> dict[str, Any]:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        params = self.config.device_parameters
+        precision = MixedPrecisionPolicy(
+            param_dtype=None if params.param_dtype == torch.float32 else params.param_dtype,
+            reduce_dtype=params.reduce_dtype,
+        )
+        # Pinned memory needs an accelerator; on a CPU-only machine pinning fails.
+        offload = CPUOffloadPolicy(pin_memory=self.world.device.type == "cuda") \
+            if params.cpu_offload else OffloadPolicy()
+        return {"mesh": self.world.fsdp_mesh, "mp_policy": precision, "offload_policy": offload}
 
     def _materialize_models(self) -> None:
         device = self.world.device
@@ -166,12 +214,14 @@ class SetupMixin(AbstractTrainer):
                 materialize(model, device)
             else:
                 model.to(device)
-        self.init_weights()
+        with FullTensorInit():
+            self.init_weights()
         bad = [entry for name, model in self.named_models().items()
                for entry in find_uninitialized(name, model)]
-        if bad:
+        if any_rank_failed(bool(bad), device):
             raise RuntimeError(
-                "some model tensors were never initialized: " + ", ".join(bad[:10])
+                "some model tensors were never initialized: "
+                + (", ".join(bad[:10]) if bad else "(found on another rank)")
                 + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
                 + ". Give their module a reset_parameters() method or set them in "
                 "init_weights() (buffers computed in __init__ are lost on the meta device)"

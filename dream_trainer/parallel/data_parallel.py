@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from dream_trainer.world.dims import ParallelDims
@@ -55,12 +56,22 @@ class DDPBackend(DataParallelBackend):
             model.require_backward_grad_sync = enabled
 
 
+class FSDPBackend(DataParallelBackend):
+    """FSDP2 (``fully_shard``) over the shard axis, replicated across dp_replicate for HSDP."""
+
+    name = "fsdp"
+
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        # Without sync FSDP2 keeps unsharded gradients and skips reduce-scatter (and the HSDP
+        # all-reduce) until the last micro-batch.
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(enabled)
+
+
 def backend_for(dims: ParallelDims) -> DataParallelBackend:
     """The backend that matches the resolved mesh degrees."""
     if dims.dp_shard > 1:
-        raise NotImplementedError(
-            "dp_shard > 1 (FSDP2) is not available yet: use DeviceParameters.DDP()"
-        )
+        return FSDPBackend()
     if dims.dp_replicate > 1:
         return DDPBackend()
     return NoDataParallel()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 import torch
 from torch import nn
@@ -12,17 +12,27 @@ from torch.distributed.tensor import DTensor
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -> torch.Tensor:
     """Return the total 2-norm of the gradients, clipping them to ``max_norm`` if given.
 
-    The norm is a 0-dim tensor on the gradients' device: nothing forces a host sync. With
-    DTensor (FSDP2/TP) gradients the local norms are reduced over their mesh, so the value is
-    the norm of the full gradient on every rank.
+    The norm is a 0-dim tensor on the gradients' device: nothing forces a host sync. DTensor
+    gradients (FSDP2, TP) are grouped by mesh and placement, each group's norm is reduced over
+    its mesh, and the groups combine with any plain gradients, so every rank gets the norm of
+    the full gradient however the parameters are split.
     """
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
+    groups: dict[Hashable, list[nn.Parameter]] = {}
+    for param in parameters:
+        grad = param.grad
+        if grad is None:
+            continue
+        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+        groups.setdefault(key, []).append(param)
+    if not groups:
         return torch.zeros(())
-    grads = [p.grad for p in params]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = norms[0] if len(norms) == 1 else \
+        torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
     if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total

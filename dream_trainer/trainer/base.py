@@ -17,6 +17,7 @@ from dream_trainer.callbacks.collection import CallbackCollection
 from dream_trainer.configs.training import TrainingParameters
 from dream_trainer.parallel.data_parallel import DataParallelBackend, backend_for
 from dream_trainer.parallel.grad_norm import clip_grad_norm
+from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainer, AbstractTrainerConfig
 from dream_trainer.utils.averaging import ResultAverager
 from dream_trainer.utils.batch import move_to_device
@@ -55,6 +56,7 @@ class BaseTrainer(AbstractTrainer):
         self.config = config
         self.world = DistributedWorld(config.device_parameters)
         self.data_parallel: DataParallelBackend = backend_for(self.world.dims)
+        self.precision = Precision(config.device_parameters, self.world.dims, self.world.device)
         self.callbacks = CallbackCollection(config.callbacks)
         self.training = False
         self.sanity_checking = False
@@ -172,9 +174,11 @@ class BaseTrainer(AbstractTrainer):
                 self.data_parallel.set_gradient_sync(model, sync)
         batch = move_to_device(batch, self.world.device)
         self._fire("pre_train_batch", batch, batch_idx)
-        result = _check_result(self.training_step(batch, batch_idx), "training_step")
+        with self.precision.autocast():
+            result = _check_result(self.training_step(batch, batch_idx), "training_step")
         self.local_batches += 1
         if not self.is_accumulating_gradients:
+            self.precision.update()
             self.global_step += 1
         averager.update(result)
         self._fire("post_train_batch", result, batch_idx)
@@ -207,7 +211,8 @@ class BaseTrainer(AbstractTrainer):
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` scaled by ``1 / gradient_accumulation_steps``.
 
-        Gradient synchronisation is already disabled on accumulating micro-batches.
+        With float16 the loss is also multiplied by the gradient scaler's scale. Gradient
+        synchronisation is already disabled on accumulating micro-batches.
 
         Raises:
             RuntimeError: if called outside a training step.
@@ -215,11 +220,14 @@ class BaseTrainer(AbstractTrainer):
         if not self.training:
             raise RuntimeError("backward() may only be called inside training_step")
         accumulation = self.training_parameters.gradient_accumulation_steps
-        (loss / accumulation if accumulation > 1 else loss).backward()
+        self.precision.scale(loss / accumulation if accumulation > 1 else loss).backward()
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: LRScheduler | None = None) -> torch.Tensor:
-        """Clip, step the optimizer, zero the gradients and step the scheduler.
+        """Unscale (float16), clip, step the optimizer, zero the gradients, step the scheduler.
+
+        With float16 a step whose gradients overflowed is skipped by the scaler and counted in
+        ``precision.skipped_steps``.
 
         Args:
             model: The model whose gradient norm is measured and clipped.
@@ -239,8 +247,9 @@ class BaseTrainer(AbstractTrainer):
                 "call it only when `not self.is_accumulating_gradients`"
             )
         self._fire("pre_optimizer_step", model, optimizer)
+        self.precision.unscale_(optimizer)
         grad_norm = clip_grad_norm(model.parameters(), self.training_parameters.gradient_clip_val)
-        optimizer.step()
+        self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         if scheduler is None:
             scheduler = self._scheduler_for(optimizer)
@@ -268,7 +277,9 @@ class BaseTrainer(AbstractTrainer):
             for batch_idx, batch in enumerate(itertools.islice(loader, max_batches)):
                 batch = move_to_device(batch, self.world.device)
                 self._fire("pre_val_batch", batch, batch_idx)
-                result = _check_result(self.validation_step(batch, batch_idx), "validation_step")
+                with self.precision.autocast():
+                    result = self.validation_step(batch, batch_idx)
+                result = _check_result(result, "validation_step")
                 averager.update(result)
                 self._fire("post_val_batch", result, batch_idx)
         result = averager.compute()
@@ -357,10 +368,11 @@ class BaseTrainer(AbstractTrainer):
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The loop counters and every callback's state."""
+        """The loop counters, the gradient scaler and every callback's state."""
         return {
             "global_step": self.global_step,
             "current_epoch": self.current_epoch,
+            "precision": self.precision.state_dict(),
             "callbacks": self.callbacks.state_dict(),
         }
 
@@ -368,6 +380,7 @@ class BaseTrainer(AbstractTrainer):
         """Restore what ``state_dict`` returned."""
         self.global_step = int(state_dict["global_step"])
         self.current_epoch = int(state_dict["current_epoch"])
+        self.precision.load_state_dict(state_dict.get("precision", {}))
         self.callbacks.load_state_dict(state_dict.get("callbacks", {}))
 
 

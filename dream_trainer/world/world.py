@@ -104,6 +104,15 @@ class DistributedWorld:
         return None
 
     @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards over: dp_shard, or (dp_replicate, dp_shard) for HSDP."""
+        if self.mesh is None or self.dims.dp_shard == 1:
+            return None
+        if self.dims.dp_replicate > 1:
+            return self.mesh[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]
+        return self.mesh[MeshAxis.DP_SHARD.value]
+
+    @property
     def dp_size(self) -> int:
         return self.dims.dp
 

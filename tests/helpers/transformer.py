@@ -1,0 +1,105 @@
+"""A tiny causal transformer trainer, with a tensor-parallel plan, for the parallelism tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.data import DataLoader, TensorDataset
+
+from dream_trainer import BaseTrainer, BaseTrainerConfig
+from dream_trainer.configs import DeviceParameters, TrainingParameters
+from dream_trainer.mixins import SetupConfigMixin, SetupMixin
+
+VOCAB, DIM, HEAD_DIM, SEQ, LAYERS = 32, 16, 4, 8, 2
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM)
+        self.q, self.k, self.v = (nn.Linear(DIM, DIM) for _ in range(3))
+        self.o = nn.Linear(DIM, DIM)
+        self.norm2 = nn.LayerNorm(DIM)
+        self.w1 = nn.Linear(DIM, 4 * DIM)
+        self.w2 = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        batch, seq, _ = h.shape
+        # Heads are inferred from the projection's width, so a column-parallel projection
+        # carries only this rank's heads.
+        q, k, v = (proj(h).view(batch, seq, -1, HEAD_DIM).transpose(1, 2)
+                   for proj in (self.q, self.k, self.v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(attn.transpose(1, 2).reshape(batch, seq, -1))
+        return x + self.w2(F.gelu(self.w1(self.norm2(x))))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+class TransformerConfig(BaseTrainerConfig, SetupConfigMixin):
+    lr: float = 0.05
+    n_sequences: int = 64
+
+
+def transformer_config(device_parameters: DeviceParameters, batch: int,
+                       **training: Any) -> TransformerConfig:
+    return TransformerConfig(project="tiny", group="tests", experiment="transformer",
+                             device_parameters=device_parameters,
+                             training_parameters=TrainingParameters(
+                                 n_epochs=1, train_batch_size=batch, **training))
+
+
+class TransformerTrainer(BaseTrainer, SetupMixin):
+    config: TransformerConfig
+
+    def configure_models(self) -> None:
+        self.model = TinyTransformer()
+
+    def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+
+        plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+                "o": RowwiseParallel(), "w1": ColwiseParallel(), "w2": RowwiseParallel()}
+        for block in self.model.layers:
+            parallelize_module(block, tp_mesh, plan)
+
+    def configure_optimizers(self) -> None:
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.config.lr)
+
+    def configure_dataloaders(self) -> tuple[DataLoader[Any], None]:
+        generator = torch.Generator().manual_seed(3)
+        tokens = torch.randint(0, VOCAB, (self.config.n_sequences, SEQ + 1), generator=generator)
+        loader = DataLoader(TensorDataset(tokens),
+                            batch_size=self.config.training_parameters.train_batch_size)
+        return loader, None
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        (tokens,) = batch
+        logits = self.model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
+        self.backward(loss)
+        if not self.is_accumulating_gradients:
+            return {"loss": loss, "grad_norm": self.step(self.model, self.optimizer)}
+        return {"loss": loss}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        return {}
