@@ -44,6 +44,28 @@ def torchrun(script: str | Path, args: Sequence[str] = (), nproc: int = 2,
                           timeout=timeout)
 
 
+def torchrun_nodes(script: str | Path, args: Sequence[str] = (), nnodes: int = 2,
+                   timeout: float = 240) -> list[subprocess.CompletedProcess[str]]:
+    """Start ``nnodes`` torchrun agents, one process each, that meet through a c10d
+    rendezvous on 127.0.0.1, as separate machines would; wait for all of them."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+               "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}",
+               "--rdzv_id=dream-trainer-test", str(script), *args]
+    agents = [subprocess.Popen(command, env=child_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for _ in range(nnodes)]
+    results = []
+    try:
+        for agent in agents:
+            stdout, stderr = agent.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(command, agent.returncode, stdout,
+                                                       stderr))
+    finally:
+        for agent in agents:
+            agent.kill()
+    return results
+
+
 def spawn_ranks(script: str | Path, args: Sequence[str] = (), nproc: int = 2,
                 env: Mapping[str, str] | None = None) -> list[subprocess.Popen[str]]:
     """Start ``nproc`` processes with torchrun's variables set by hand (no agent to kill
