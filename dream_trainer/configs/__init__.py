@@ -1,7 +1,8 @@
 """Pydantic configs shared by the trainers and mixins."""
 
 from dream_trainer.configs.base import ConfigModel
+from dream_trainer.configs.checkpoint import CheckpointParameters
 from dream_trainer.configs.device import DeviceParameters
 from dream_trainer.configs.training import TrainingParameters
 
-__all__ = ["ConfigModel", "DeviceParameters", "TrainingParameters"]
+__all__ = ["CheckpointParameters", "ConfigModel", "DeviceParameters", "TrainingParameters"]

@@ -19,7 +19,7 @@ from dream_trainer.parallel.materialize import (FullTensorInit, any_rank_failed,
                                                 find_uninitialized, has_meta_tensors,
                                                 materialize)
 from dream_trainer.trainer.abstract import AbstractTrainer
-from dream_trainer.utils.dataloader import distribute_loader
+from dream_trainer.utils.dataloader import prepare_loader
 from dream_trainer.world.dims import MeshAxis
 
 logger = logging.getLogger(__name__)
@@ -271,8 +271,8 @@ class SetupMixin(AbstractTrainer):
             raise ValueError("configure_dataloaders() returned no train loader")
         seed = self.config.seed if self.config.seed is not None else 0
         world = self.world
-        self._train_loader = distribute_loader(train, world.dp_size, world.dp_rank, seed)
-        self._val_loader = distribute_loader(val, world.dp_size, world.dp_rank, seed)
+        self._train_loader = prepare_loader(train, world.dp_size, world.dp_rank, seed)
+        self._val_loader = prepare_loader(val, world.dp_size, world.dp_rank, seed)
 
     # -- accessors ---------------------------------------------------------------------------
     def named_models(self) -> dict[str, nn.Module]:

@@ -36,6 +36,13 @@ class AbstractTrainerConfig(ConfigModel):
     """Mesh, precision and device; by default data parallel over every launched rank."""
 
 
+class StopTraining(Exception):
+    """Raise from a hook to end ``fit()`` cleanly at that point (every rank must raise it).
+
+    ``fit()`` returns normally and tears the process group down; ``post_fit`` does not fire.
+    """
+
+
 class AbstractTrainer(TrainerHooks, ABC):
     """The contract between the loop, the mixins and user code.
 
@@ -47,6 +54,16 @@ class AbstractTrainer(TrainerHooks, ABC):
     config: AbstractTrainerConfig
     world: DistributedWorld
     callbacks: CallbackCollection
+    training: bool
+    sanity_checking: bool
+    global_step: int
+    local_batches: int
+    current_epoch: int
+
+    @property
+    @abstractmethod
+    def is_accumulating_gradients(self) -> bool:
+        """True on every micro-batch of an accumulation window but the last."""
 
     # -- phases --------------------------------------------------------------------------
     @abstractmethod

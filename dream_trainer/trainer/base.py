@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -18,9 +18,10 @@ from dream_trainer.configs.training import TrainingParameters
 from dream_trainer.parallel.data_parallel import DataParallelBackend, backend_for
 from dream_trainer.parallel.grad_norm import clip_grad_norm
 from dream_trainer.parallel.precision import Precision
-from dream_trainer.trainer.abstract import AbstractTrainer, AbstractTrainerConfig
+from dream_trainer.trainer.abstract import AbstractTrainer, AbstractTrainerConfig, StopTraining
 from dream_trainer.utils.averaging import ResultAverager
 from dream_trainer.utils.batch import move_to_device
+from dream_trainer.utils.dataloader import epoch_batches, has_resumable_sampler, set_sampler_epoch
 from dream_trainer.world.world import DistributedWorld
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,11 @@ class BaseTrainer(AbstractTrainer):
         self.current_epoch = 0
         self._batch_idx = 0
         self._train_steps_per_epoch = 0
+        # Where the current epoch stands, and where a resumed run starts (see state_dict).
+        self._batches_done = 0
+        self._epoch_done = False
+        self._start_batch = 0
+        self._resharded = False
         super().__init__(*args, **kwargs)
         self.callbacks.attach(self)
 
@@ -82,6 +88,9 @@ class BaseTrainer(AbstractTrainer):
             self._configure()
             self._setup()
             self._train()
+            completed = True
+        except StopTraining as stop:
+            logger.warning("training stopped at global step %d: %s", self.global_step, stop)
             completed = True
         except BaseException as exc:
             self._report_failure(exc)
@@ -127,8 +136,10 @@ class BaseTrainer(AbstractTrainer):
         self._train_epoch()
         if self.val_dataloader is not None and self.training_parameters.val_every_n_steps is None:
             self._validation_epoch(self.training_parameters.val_steps_per_epoch)
+        self._epoch_done = True
         self._fire("post_epoch")
         self.current_epoch += 1
+        self._epoch_done = False
 
     # -- training ------------------------------------------------------------------------------
     @property
@@ -146,17 +157,26 @@ class BaseTrainer(AbstractTrainer):
 
     def _train_epoch(self) -> None:
         self._set_train_mode(True)
-        _set_sampler_epoch(self.train_dataloader, self.current_epoch)
+        set_sampler_epoch(self.train_dataloader, self.current_epoch)
+        start, self._start_batch = self._start_batch, 0
+        self._batches_done = start
+        n_batches = self._train_steps_per_epoch * self.training_parameters.gradient_accumulation_steps
+        if start and self._resharded and not has_resumable_sampler(self.train_dataloader):
+            raise RuntimeError(
+                "cannot resume mid-epoch on a different number of data-parallel ranks: the "
+                "train loader has its own sampler, so its position cannot be converted; "
+                "resume with the original number of ranks or from an epoch boundary"
+            )
+        # The iterator exists before pre_train_epoch: creating it draws from the global RNG,
+        # and a resumed run restores the RNG after that draw.
+        batches = epoch_batches(self.train_dataloader, start, n_batches, self._samples_per_batch)
         self._fire("pre_train_epoch")
         averager = ResultAverager(self.world.device)
-        n_batches = self._train_steps_per_epoch * self.training_parameters.gradient_accumulation_steps
-        seen = 0
-        for batch_idx, batch in enumerate(itertools.islice(self.train_dataloader, n_batches)):
-            seen += 1
+        for batch_idx, batch in enumerate(batches, start=start):
             self._train_batch(batch, batch_idx, averager)
             if not self.is_accumulating_gradients and self._after_optimizer_step():
                 break
-        if seen == 0:
+        if self._batches_done == 0:
             raise RuntimeError(
                 f"the train dataloader yielded no batches in epoch {self.current_epoch}: "
                 "check that the dataset is not empty and that an iterable dataset restarts"
@@ -165,6 +185,11 @@ class BaseTrainer(AbstractTrainer):
             self._drop_partial_window()
         self._set_train_mode(False)
         self._fire("post_train_epoch", averager.compute())
+
+    @property
+    def _samples_per_batch(self) -> int:
+        """Samples in one micro-batch over every data-parallel rank."""
+        return self.training_parameters.train_batch_size * self.world.dp_size
 
     def _train_batch(self, batch: Any, batch_idx: int, averager: ResultAverager) -> None:
         self._batch_idx = batch_idx
@@ -177,6 +202,7 @@ class BaseTrainer(AbstractTrainer):
         with self.precision.autocast():
             result = _check_result(self.training_step(batch, batch_idx), "training_step")
         self.local_batches += 1
+        self._batches_done = batch_idx + 1
         if not self.is_accumulating_gradients:
             self.precision.update()
             self.global_step += 1
@@ -368,18 +394,45 @@ class BaseTrainer(AbstractTrainer):
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The loop counters, the gradient scaler and every callback's state."""
+        """The loop's position, the gradient scaler and every callback's state.
+
+        The position says where a resumed run continues: the epoch, and how many of its
+        micro-batches are done (0 once the epoch, validation included, has finished).
+        """
+        epoch, batch = ((self.current_epoch + 1, 0) if self._epoch_done
+                        else (self.current_epoch, self._batches_done))
         return {
             "global_step": self.global_step,
-            "current_epoch": self.current_epoch,
+            "current_epoch": epoch,
+            "batch_in_epoch": batch,
+            "samples_per_batch": self._samples_per_batch,
+            "dp_size": self.world.dp_size,
             "precision": self.precision.state_dict(),
             "callbacks": self.callbacks.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned."""
+        """Restore what ``state_dict`` returned, converting the position to this topology.
+
+        Raises:
+            ValueError: if the samples done in the epoch do not fill whole accumulation
+                windows of this run's batch size and data-parallel degree.
+        """
         self.global_step = int(state_dict["global_step"])
         self.current_epoch = int(state_dict["current_epoch"])
+        samples = int(state_dict.get("batch_in_epoch", 0)) * int(
+            state_dict.get("samples_per_batch", self._samples_per_batch))
+        window = self._samples_per_batch * self.training_parameters.gradient_accumulation_steps
+        if samples % window:
+            raise ValueError(
+                f"cannot resume mid-epoch: the checkpoint's run had read {samples} samples of "
+                f"epoch {self.current_epoch}, which is not a whole number of this run's "
+                f"optimizer steps ({window} samples each: train_batch_size x data-parallel "
+                "ranks x gradient_accumulation_steps); use a batch configuration that "
+                "divides it, or resume from an epoch-boundary checkpoint"
+            )
+        self._start_batch = samples // self._samples_per_batch
+        self._resharded = int(state_dict.get("dp_size", self.world.dp_size)) != self.world.dp_size
         self.precision.load_state_dict(state_dict.get("precision", {}))
         self.callbacks.load_state_dict(state_dict.get("callbacks", {}))
 
@@ -391,13 +444,3 @@ def _check_result(result: Any, step_name: str) -> dict[str, Any]:
             f"got {type(result).__name__}"
         )
     return dict(result) if not isinstance(result, dict) else result
-
-
-def _set_sampler_epoch(loader: Iterable[Any], epoch: int) -> None:
-    """Call ``set_epoch`` on the loader's sampler(s), so shuffling differs per epoch."""
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    samplers = {id(s): s for s in (getattr(loader, "sampler", None),
-                                   getattr(batch_sampler, "sampler", None)) if s is not None}
-    for sampler in samplers.values():
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)

@@ -1,0 +1,54 @@
+"""When and where checkpoints are written, which are kept, and what a run resumes from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import PositiveInt, model_validator
+
+from dream_trainer.configs.base import ConfigModel
+
+
+class CheckpointParameters(ConfigModel):
+    """Checkpoint cadence, retention and resumption.
+
+    A checkpoint is also written when training ends. Checkpoints live in
+    ``<root_dir>/<project>/<group>/<experiment>/checkpoints/step_<N>/``.
+    """
+
+    root_dir: Path = Path("outputs")
+    """Directory under which every run's checkpoints are written."""
+    every_n_steps: PositiveInt | None = None
+    """Save after every N optimizer steps (``None``: not by steps)."""
+    every_n_epochs: PositiveInt | None = 1
+    """Save after every N epochs, validation included (``None``: not by epochs)."""
+    keep_top_k: PositiveInt | None = None
+    """Keep this many checkpoints: the best by ``monitor``, else the newest. The newest is
+    always kept, so that a run can resume. ``None`` keeps every checkpoint."""
+    monitor: str | None = None
+    """Result key that ranks checkpoints for ``keep_top_k`` (``"val_loss"``, or any key of the
+    last training or validation epoch result)."""
+    mode: Literal["min", "max"] = "min"
+    """Whether a smaller or larger ``monitor`` value is better."""
+    resume: Literal["latest"] | Path | None = None
+    """``"latest"``: continue from the newest complete checkpoint of this experiment, or start
+    fresh if there is none; a path: resume from that checkpoint; ``None``: start fresh."""
+    load_weights_only: bool = False
+    """With ``resume`` set to a path, load only the model weights (fine-tuning from another
+    run): optimizers, schedulers, counters and data position start fresh."""
+    async_save: bool = False
+    """Write periodic checkpoints in the background (the final one is always synchronous)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> CheckpointParameters:
+        if self.load_weights_only and not isinstance(self.resume, Path):
+            raise ValueError(
+                "load_weights_only=True needs resume=<path to a checkpoint> to take the "
+                "weights from"
+            )
+        if self.keep_top_k is not None and self.every_n_steps is None \
+                and self.every_n_epochs is None:
+            raise ValueError("keep_top_k is set but no cadence is: set every_n_steps or "
+                             "every_n_epochs")
+        return self

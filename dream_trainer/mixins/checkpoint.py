@@ -1,0 +1,329 @@
+"""``CheckpointMixin``: full-state DCP checkpoints, resume, retention and preemption."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from pydantic import Field
+
+from dream_trainer.checkpoint.layout import (CONFIG, CheckpointError, CheckpointInfo,
+                                             complete_checkpoints, is_complete, step_dir,
+                                             step_dirs, verify_files)
+from dream_trainer.checkpoint.rng import set_rng_state
+from dream_trainer.checkpoint.state import TrainingState, rng_key
+from dream_trainer.configs.base import ConfigModel
+from dream_trainer.configs.checkpoint import CheckpointParameters
+from dream_trainer.parallel.materialize import any_rank_failed
+from dream_trainer.trainer.abstract import AbstractTrainer, StopTraining
+from dream_trainer.utils.preemption import PreemptionFlag
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointConfigMixin(ConfigModel):
+    """Adds ``checkpoint_parameters`` to a trainer config."""
+
+    checkpoint_parameters: CheckpointParameters = Field(default_factory=CheckpointParameters)
+    """Checkpoint cadence, retention and resumption."""
+
+
+class CheckpointMixin(AbstractTrainer):
+    """Saves and restores the complete training state with torch Distributed Checkpoint.
+
+    Saved: models, optimizers, schedulers, the gradient scaler, the loop position (mid-epoch
+    included), every callback's state, every rank's random generators, and the config (as
+    ``config.json``). A checkpoint directory counts only once DCP has written its
+    ``.metadata``, which happens after every rank's data: a crash mid-save leaves a directory
+    that resume skips, and older checkpoints are deleted only after a newer one is complete.
+
+    SIGTERM or SIGUSR1 make every rank save at the next optimizer step and leave ``fit()``
+    normally (``preempted`` is then True), so a scheduler's preemption costs no work.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.preempted = False
+        self._checkpoint_group: dist.ProcessGroup | None = None
+        self._pending_save: tuple[Future[Any], CheckpointInfo] | None = None
+        self._last_saved_step: int | None = None
+        self._latest_results: dict[str, float] = {}
+        self._pending_rng: dict[str, Any] | None = None
+        self._rng_mid_epoch = False
+        self._preemption = PreemptionFlag()
+
+    @property
+    def checkpoint_parameters(self) -> CheckpointParameters:
+        return self.config.checkpoint_parameters  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """``<root_dir>/<project>/<group>/<experiment>/checkpoints``."""
+        config = self.config
+        return (Path(self.checkpoint_parameters.root_dir) / config.project / config.group
+                / config.experiment / "checkpoints")
+
+    # -- hooks -----------------------------------------------------------------------------
+    def post_setup(self) -> None:
+        # DCP's own collectives run on a separate gloo group: an async save in a background
+        # thread on the training group would interleave with training collectives.
+        self._checkpoint_group = dist.new_group(backend="gloo")
+        self._resume()
+        super().post_setup()
+
+    def pre_fit(self) -> None:
+        self._preemption.install()
+        super().pre_fit()
+
+    def pre_epoch(self) -> None:
+        if self._pending_rng is not None and not self._rng_mid_epoch:
+            self._restore_rng()
+        super().pre_epoch()
+
+    def pre_train_epoch(self) -> None:
+        # Mid-epoch checkpoints were taken after this epoch's loader iterator drew its seed;
+        # the loop has just recreated the iterator, so the generators are restored now.
+        if self._pending_rng is not None:
+            self._restore_rng()
+        super().pre_train_epoch()
+
+    def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
+        super().post_train_batch(result, batch_idx)
+        if self.is_accumulating_gradients:
+            return
+        if self._preemption_requested():
+            path = self.save_checkpoint(blocking=True)
+            self.preempted = True
+            self._preemption.uninstall()
+            raise StopTraining(f"preempted by {self._preemption.signal or 'a signal on another rank'}"
+                               f"; checkpoint saved to {path}")
+        every = self.checkpoint_parameters.every_n_steps
+        if every is not None and self.global_step % every == 0:
+            self.save_checkpoint()
+
+    def post_train_epoch(self, result: dict[str, Any]) -> None:
+        self._latest_results.update(result)
+        super().post_train_epoch(result)
+
+    def post_val_epoch(self, result: dict[str, Any]) -> None:
+        if not self.sanity_checking:
+            self._latest_results.update(result)
+        super().post_val_epoch(result)
+
+    def post_epoch(self) -> None:
+        super().post_epoch()
+        every = self.checkpoint_parameters.every_n_epochs
+        if every is not None and (self.current_epoch + 1) % every == 0:
+            self._require_monitor()
+            self.save_checkpoint()
+
+    def post_fit(self) -> None:
+        super().post_fit()
+        self.save_checkpoint(blocking=True)
+        self._preemption.uninstall()
+
+    def on_exception(self, exception: BaseException) -> None:
+        # An in-flight async save is not awaited: its peers may be gone. It never wrote its
+        # .metadata, so resume skips it.
+        self._preemption.uninstall()
+        super().on_exception(exception)
+
+    # -- saving ------------------------------------------------------------------------------
+    def save_checkpoint(self, blocking: bool = False) -> Path:
+        """Save the full state to ``checkpoint_dir/step_<global_step>`` (collective).
+
+        Args:
+            blocking: Write synchronously even when ``async_save`` is on.
+
+        Returns:
+            The checkpoint directory (complete once any async write finishes).
+        """
+        self._finish_pending_save()
+        path = step_dir(self.checkpoint_dir, self.global_step)
+        if self._last_saved_step == self.global_step:
+            return path
+        info = CheckpointInfo(path, self.global_step, self.current_epoch, self._monitor_value())
+        if self.world.is_rank_zero:
+            if path.exists():  # a save at this step that never completed
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+            info.write()
+            (path / CONFIG).write_text(self.config.model_dump_json(indent=2))
+        self._barrier()
+        state = {"state": TrainingState(self)}
+        if self.checkpoint_parameters.async_save and not blocking:
+            future = dcp.async_save(state, checkpoint_id=str(path),
+                                    process_group=self._checkpoint_group)
+            self._pending_save = (future, info)  # type: ignore[assignment]
+        else:
+            dcp.save(state, checkpoint_id=str(path), process_group=self._checkpoint_group)
+            self._committed(info)
+        self._last_saved_step = self.global_step
+        return path
+
+    def _finish_pending_save(self) -> None:
+        if self._pending_save is not None:
+            future, info = self._pending_save
+            self._pending_save = None
+            future.result()
+            self._committed(info)
+
+    def _committed(self, info: CheckpointInfo) -> None:
+        logger.info("saved checkpoint %s", info.path)
+        if self.world.is_rank_zero:
+            self._rotate()
+
+    def _rotate(self) -> None:
+        """Delete checkpoints beyond ``keep_top_k`` and stale incomplete ones (rank 0)."""
+        params = self.checkpoint_parameters
+        infos = complete_checkpoints(self.checkpoint_dir)
+        if not infos:
+            return
+        newest = infos[-1]
+        in_flight = self._pending_save[1].path if self._pending_save else None
+        for step, path in step_dirs(self.checkpoint_dir):
+            if step < newest.step and not is_complete(path) and path != in_flight:
+                shutil.rmtree(path, ignore_errors=True)
+        if params.keep_top_k is None:
+            return
+        if params.monitor is None:
+            ranked = sorted(infos, key=lambda info: info.step, reverse=True)
+        else:
+            sign = 1.0 if params.mode == "min" else -1.0
+            ranked = sorted(infos, key=lambda info: (info.score is None,
+                                                     sign * (info.score or 0.0), -info.step))
+        keep = {info.path for info in ranked[: params.keep_top_k]} | {newest.path}
+        for info in infos:
+            if info.path not in keep:
+                shutil.rmtree(info.path, ignore_errors=True)
+
+    def _monitor_value(self) -> float | None:
+        monitor = self.checkpoint_parameters.monitor
+        value = self._latest_results.get(monitor) if monitor else None
+        return None if value is None else float(value)
+
+    def _require_monitor(self) -> None:
+        monitor = self.checkpoint_parameters.monitor
+        if monitor is not None and monitor not in self._latest_results:
+            raise ValueError(
+                f"checkpoint_parameters.monitor={monitor!r} is not produced by any training "
+                f"or validation step; available keys: {sorted(self._latest_results)}"
+            )
+
+    def _preemption_requested(self) -> bool:
+        return any_rank_failed(self._preemption.is_set, self.world.device)
+
+    def _barrier(self) -> None:
+        if self.world.world_size > 1:
+            dist.barrier(group=self._checkpoint_group)
+
+    # -- loading ------------------------------------------------------------------------------
+    def _resume(self) -> None:
+        params = self.checkpoint_parameters
+        if params.resume is None:
+            return
+        if params.resume == "latest":
+            infos = complete_checkpoints(self.checkpoint_dir, warn=self.world.is_rank_zero)
+            if not infos:
+                logger.info("no complete checkpoint in %s: starting fresh", self.checkpoint_dir)
+                return
+            path = infos[-1].path
+        else:
+            path = Path(params.resume)
+            if not path.is_dir():
+                raise CheckpointError(f"resume={str(path)!r}: no checkpoint directory there "
+                                      "(use 'latest' to continue this experiment)")
+            if not is_complete(path):
+                raise CheckpointError(f"{path} is not a complete checkpoint: it has no "
+                                      ".metadata, so its save never finished")
+        self.load_checkpoint(path, weights_only=params.load_weights_only)
+
+    def load_checkpoint(self, path: str | Path, weights_only: bool = False) -> None:
+        """Load a checkpoint written by any number of ranks (collective).
+
+        Raises:
+            CheckpointError: naming a missing or truncated file, or the keys whose shapes
+                differ from this trainer's models.
+        """
+        path = Path(path)
+        reader = dcp.FileSystemReader(str(path))
+        try:
+            metadata = reader.read_metadata()
+        except Exception as exc:
+            raise CheckpointError(f"cannot read {path / '.metadata'}: {exc}") from exc
+        verify_files(path, metadata)
+        with_rng = any(key.startswith(f"state.{rng_key(self.world.rank)}.")
+                       for key in metadata.state_dict_metadata)
+        state = TrainingState(self, weights_only=weights_only, with_rng=with_rng)
+        _check_shapes(path, state, metadata)
+        try:
+            dcp.load({"state": state}, storage_reader=reader,
+                     process_group=self._checkpoint_group)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"failed to load checkpoint {path}: {exc}") from exc
+        if weights_only:
+            logger.info("loaded model weights from %s", path)
+            return
+        if state.loaded_rng is None:
+            logger.warning("%s has no random state for rank %d (it was written by fewer "
+                           "ranks): random streams continue from the seed", path,
+                           self.world.rank)
+        self._pending_rng = state.loaded_rng
+        self._rng_mid_epoch = state.resumed_mid_epoch
+        self._last_saved_step = self.global_step
+        self._log_config_diff(path)
+        logger.info("resumed from %s at global step %d", path, self.global_step)
+
+    def _restore_rng(self) -> None:
+        assert self._pending_rng is not None
+        set_rng_state(self._pending_rng)
+        self._pending_rng = None
+
+    def _log_config_diff(self, path: Path) -> None:
+        if not self.world.is_rank_zero or not (path / CONFIG).is_file():
+            return
+        saved = _flatten(json.loads((path / CONFIG).read_text()))
+        current = _flatten(json.loads(self.config.model_dump_json()))
+        changes = [f"{key}: {saved.get(key, '<absent>')!r} -> {current.get(key, '<absent>')!r}"
+                   for key in sorted(saved.keys() | current.keys())
+                   if saved.get(key) != current.get(key)]
+        if changes:
+            logger.warning("the config differs from the checkpoint's:\n  %s",
+                           "\n  ".join(changes))
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def _check_shapes(path: Path, state: TrainingState, metadata: Any) -> None:
+    """Name every model tensor that the checkpoint lacks or holds with another shape."""
+    saved = metadata.state_dict_metadata
+    problems = []
+    for model, tensors in state.state_dict()["models"].items():
+        for name, tensor in tensors.items():
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            key = f"state.models.{model}.{name}"
+            if key not in saved:
+                problems.append(f"{model}.{name} (not in the checkpoint)")
+            elif tuple(saved[key].size) != tuple(tensor.shape):
+                problems.append(f"{model}.{name} (checkpoint {tuple(saved[key].size)}, "
+                                f"model {tuple(tensor.shape)})")
+    if problems:
+        raise CheckpointError(f"{path} does not fit this trainer's models: "
+                              + "; ".join(problems))

@@ -1,0 +1,131 @@
+"""A checkpointing toy trainer whose data carries sample ids, and tools to kill it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from dream_trainer.callbacks import Callback
+from dream_trainer.configs import CheckpointParameters, DeviceParameters, TrainingParameters
+from dream_trainer.mixins import CheckpointConfigMixin, CheckpointMixin
+from tests.helpers.toy import ToyConfig, ToyTrainer, toy_dataset
+
+
+class CheckpointedConfig(ToyConfig, CheckpointConfigMixin):
+    pass
+
+
+class CheckpointedTrainer(ToyTrainer, CheckpointMixin):
+    """Toy regression with dropout, a cosine schedule and sample ids in every batch."""
+
+    config: CheckpointedConfig
+
+    def configure_schedulers(self) -> None:
+        self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=40)
+
+    def configure_dataloaders(self) -> tuple[DataLoader[Any], DataLoader[Any]]:
+        tp = self.config.training_parameters
+        data = toy_dataset(self.config.n_samples, self.config, seed=1)
+        ids = torch.arange(self.config.n_samples)
+        train = DataLoader(TensorDataset(*data.tensors, ids), batch_size=tp.train_batch_size,
+                           shuffle=True)
+        val = DataLoader(toy_dataset(self.config.val_samples, self.config, seed=2),
+                         batch_size=tp.val_batch_size)
+        return train, val
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        x, y, ids = batch
+        self.seen_ids = ids.tolist()
+        return super().training_step((x, y), batch_idx)
+
+
+def checkpointed_config(root: Path, device_parameters: DeviceParameters | None = None,
+                        **checkpoint: Any) -> CheckpointedConfig:
+    return CheckpointedConfig(
+        project="ckpt", group="tests", experiment="run", dropout=0.2, shuffle=True,
+        n_samples=80, val_samples=16,
+        device_parameters=device_parameters or DeviceParameters(),
+        training_parameters=TrainingParameters(n_epochs=3, train_batch_size=4,
+                                               gradient_accumulation_steps=2),
+        checkpoint_parameters=CheckpointParameters(
+            **{"root_dir": root, "every_n_steps": 4, "resume": "latest", **checkpoint}),
+    )
+
+
+class Killer(Callback):
+    """Signals this process at the given points, each only once per marker directory.
+
+    Points: ``step:N`` (after optimizer step N and any checkpoint at it), ``epoch_end:E``
+    (after epoch E's end-of-epoch checkpoint), ``val:E`` (during epoch E's validation).
+    """
+
+    def __init__(self, points: list[str], markers: Path, rank_to_kill: int = 0,
+                 sig: signal.Signals = signal.SIGKILL) -> None:
+        self.points, self.markers, self.rank_to_kill = points, markers, rank_to_kill
+        self.sig = sig
+
+    def _maybe_kill(self, point: str) -> None:
+        if point not in self.points or self.trainer.world.rank != self.rank_to_kill:
+            return
+        marker = self.markers / point.replace(":", "_")
+        if marker.exists():
+            return
+        marker.touch()
+        os.kill(os.getpid(), self.sig)
+
+    def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
+        if not self.trainer.is_accumulating_gradients:
+            self._maybe_kill(f"step:{self.trainer.global_step}")
+
+    def post_epoch(self) -> None:
+        self._maybe_kill(f"epoch_end:{self.trainer.current_epoch}")
+
+    def post_val_batch(self, result: dict[str, Any], batch_idx: int) -> None:
+        if not self.trainer.sanity_checking:
+            self._maybe_kill(f"val:{self.trainer.current_epoch}")
+
+
+class SampleLog(Callback):
+    """Appends (rank, epoch, batch index, sample ids) of every micro-batch to a JSON-lines
+    file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
+        trainer = self.trainer
+        record = {"rank": trainer.world.rank, "epoch": trainer.current_epoch,
+                  "batch_idx": batch_idx, "ids": trainer.seen_ids}
+        with open(self.path, "a") as log:
+            log.write(json.dumps(record) + "\n")
+
+
+def final_state(trainer: CheckpointedTrainer) -> dict[str, Any]:
+    """Weights, optimizer and scheduler state to compare bit for bit."""
+    model = getattr(trainer.model, "module", trainer.model)
+    optimizer = trainer.optimizer.state_dict()
+    return {
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optimizer": {index: {k: v.clone() for k, v in state.items()}
+                      for index, state in optimizer["state"].items()},
+        "lr": trainer.scheduler.get_last_lr(),
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+    }
+
+
+def assert_same_state(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert actual["global_step"] == expected["global_step"]
+    assert actual["lr"] == expected["lr"]
+    for name, tensor in expected["weights"].items():
+        assert torch.equal(actual["weights"][name], tensor), name
+    for index, state in expected["optimizer"].items():
+        for key, tensor in state.items():
+            assert torch.equal(actual["optimizer"][index][key], tensor), (index, key)
