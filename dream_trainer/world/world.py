@@ -18,9 +18,10 @@ from dream_trainer.world.environment import LaunchEnvironment
 logger = logging.getLogger(__name__)
 
 # Numbers the process groups this process creates. torch names every default group "0" in the
-# rendezvous store, so a second group in the same process (a sweep, a second fit()) would read
-# the first one's stale addresses and hang; a per-launch store prefix keeps them apart. Every
-# rank launches the same number of times, so the prefixes agree across ranks.
+# rendezvous store, and torchrun's store outlives a worker group, so a second group in the
+# same process (a sweep, a second fit()) or in a restarted worker group (--max-restarts) would
+# read stale addresses and fail or hang (pytorch#135712). The prefix names the restart attempt
+# and the launch; every rank restarts and launches the same number of times.
 _LAUNCH_COUNTER = itertools.count()
 
 
@@ -138,7 +139,8 @@ class DistributedWorld:
                 store, rank, world_size = next(
                     dist.rendezvous("env://", self.rank, self.world_size, timeout=timeout))
                 store.set_timeout(timeout)
-                prefix = f"dream_trainer/launch_{next(_LAUNCH_COUNTER)}"
+                prefix = (f"dream_trainer/attempt_{self.env.restart_count}"
+                          f"/launch_{next(_LAUNCH_COUNTER)}")
                 dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, store),
                                         rank=rank, world_size=world_size, timeout=timeout)
             else:

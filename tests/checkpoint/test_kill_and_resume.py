@@ -114,3 +114,24 @@ def test_resharded_resume_reads_exactly_the_unseen_samples(
     assert sorted(seen_before + seen_after) == list(range(80))
     # The resumed run then trains the remaining epoch in full on its own topology.
     assert sorted(epoch_ids(second_log, epoch=2)) == list(range(80))
+
+
+@pytest.mark.distributed
+def test_torchrun_restarts_a_crashed_group_which_resumes_by_itself(
+        tmp_path: Path, uninterrupted: dict[int, dict]) -> None:
+    """Plain torchrun --max-restarts, without TORCH_DISABLE_SHARE_RDZV_TCP_STORE: the
+    process group's store prefix names the restart attempt, so restarted workers never
+    connect to the dead attempt's addresses (pytorch#135712)."""
+    from tests.helpers.launch import free_port
+
+    (tmp_path / "markers").mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               "--max-restarts=3", "--rdzv_backend=c10d",
+               f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(SCRIPT), str(tmp_path / "run"),
+               str(tmp_path / "final.pt"), "--markers", str(tmp_path / "markers"),
+               "--kill", "step:6", "step:11"]
+    result = subprocess.run(command, env=child_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "markers").iterdir()) == ["step_11", "step_6"]
+    assert_same_state(torch.load(tmp_path / "final.pt"), uninterrupted[2])
