@@ -99,7 +99,7 @@ class CheckpointMixin(AbstractTrainer):
         if self.is_accumulating_gradients:
             return
         if self._preemption_requested():
-            path = self.save_checkpoint(blocking=True)
+            path = self.save_checkpoint(asynchronous=False)
             self.preempted = True
             self._preemption.uninstall()
             raise StopTraining(f"preempted by {self._preemption.signal or 'a signal on another rank'}"
@@ -126,7 +126,7 @@ class CheckpointMixin(AbstractTrainer):
 
     def post_fit(self) -> None:
         super().post_fit()
-        self.save_checkpoint(blocking=True)
+        self.save_checkpoint(asynchronous=False)
         self._preemption.uninstall()
 
     def on_exception(self, exception: BaseException) -> None:
@@ -136,11 +136,13 @@ class CheckpointMixin(AbstractTrainer):
         super().on_exception(exception)
 
     # -- saving ------------------------------------------------------------------------------
-    def save_checkpoint(self, blocking: bool = False) -> Path:
+    def save_checkpoint(self, asynchronous: bool | None = None) -> Path:
         """Save the full state to ``checkpoint_dir/step_<global_step>`` (collective).
 
+        At most one asynchronous save is in flight: a new save first waits for it.
+
         Args:
-            blocking: Write synchronously even when ``async_save`` is on.
+            asynchronous: Write in the background; ``None`` follows ``async_save``.
 
         Returns:
             The checkpoint directory (complete once any async write finishes).
@@ -158,7 +160,9 @@ class CheckpointMixin(AbstractTrainer):
             (path / CONFIG).write_text(self.config.model_dump_json(indent=2))
         self._barrier()
         state = {"state": TrainingState(self)}
-        if self.checkpoint_parameters.async_save and not blocking:
+        if asynchronous is None:
+            asynchronous = self.checkpoint_parameters.async_save
+        if asynchronous:
             future = dcp.async_save(state, checkpoint_id=str(path),
                                     process_group=self._checkpoint_group)
             self._pending_save = (future, info)  # type: ignore[assignment]

@@ -14,12 +14,12 @@ from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config
 
 
 class KilledDuringSave(CheckpointedTrainer):
-    def save_checkpoint(self, blocking: bool = False) -> Path:
+    def save_checkpoint(self, asynchronous: bool | None = None) -> Path:
         delay = float(sys.argv[2])
         if self.global_step == 8 and delay >= 0:
             threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
         start = time.perf_counter()
-        path = super().save_checkpoint(blocking)
+        path = super().save_checkpoint(asynchronous)
         print(f"saved step {self.global_step} in {time.perf_counter() - start:.4f}s", flush=True)
         return path
 
