@@ -160,3 +160,16 @@ def test_export_loads_into_a_plain_module(tmp_path: Path) -> None:
 def test_load_weights_only_needs_a_path() -> None:
     with pytest.raises(ValueError, match="load_weights_only=True needs resume"):
         CheckpointParameters(load_weights_only=True, resume="latest")
+
+
+def test_resume_logs_how_the_config_changed(tmp_path: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    train(tmp_path, resume=None)
+    config = checkpointed_config(tmp_path, resume="latest")
+    changed = config.model_copy(update={"lr": 0.5, "training_parameters": config
+                                        .training_parameters.model_copy(update={"n_epochs": 2})})
+    CheckpointedTrainer(changed).fit()
+    assert "the config differs from the checkpoint's" in caplog.text
+    assert "lr: 0.01 -> 0.5" in caplog.text
+    assert "training_parameters.n_epochs: 1 -> 2" in caplog.text
+    assert "checkpoint_parameters.resume: None -> 'latest'" in caplog.text
