@@ -144,7 +144,10 @@ class CallbackCollection(TrainerHooks):
         if isinstance(value, CallbackCollection):
             return value
         if isinstance(value, (list, tuple)):
-            return cls(value)
+            try:
+                return cls(value)
+            except (TypeError, AttributeError) as exc:
+                raise ValueError(str(exc)) from exc  # pydantic reports ValueErrors by field
         raise ValueError(
             f"expected a CallbackCollection or a list of Callback instances, got "
             f"{type(value).__name__}"

@@ -75,6 +75,7 @@ class TrainingState(Stateful):
         state["schedulers"] = {name: scheduler.state_dict()
                                for name, scheduler in trainer.named_schedulers().items()}
         state["trainer"] = trainer.state_dict()
+        state["extra"] = trainer.extra_state_dict()
         if self.with_rng:
             state[rng_key(trainer.world.rank)] = rng_state()
         return state
@@ -91,5 +92,6 @@ class TrainingState(Stateful):
         for name, scheduler in trainer.named_schedulers().items():
             scheduler.load_state_dict(state_dict["schedulers"][name])
         trainer.load_state_dict(state_dict["trainer"])
+        trainer.load_extra_state_dict(state_dict.get("extra", {}))
         self.resumed_mid_epoch = int(state_dict["trainer"].get("batch_in_epoch", 0)) > 0
         self.loaded_rng = state_dict.get(rng_key(trainer.world.rank))

@@ -6,7 +6,8 @@ from datetime import timedelta
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BeforeValidator, PlainSerializer, PositiveInt, model_validator
+from pydantic import (BeforeValidator, PlainSerializer, PositiveInt, WithJsonSchema,
+                      model_validator)
 
 from dream_trainer.configs.base import ConfigModel
 
@@ -36,6 +37,7 @@ TorchDType = Annotated[
     torch.dtype,
     BeforeValidator(_parse_dtype),
     PlainSerializer(lambda dtype: str(dtype).removeprefix("torch."), return_type=str),
+    WithJsonSchema({"type": "string", "enum": sorted(_DTYPES)}),
 ]
 """A floating dtype given as ``torch.bfloat16`` or a name such as ``"bf16"``; serialized by name."""
 

@@ -151,6 +151,7 @@ class CheckpointMixin(AbstractTrainer):
         path = step_dir(self.checkpoint_dir, self.global_step)
         if self._last_saved_step == self.global_step:
             return path
+        self._refuse_non_finite()
         info = CheckpointInfo(path, self.global_step, self.current_epoch, self._monitor_value())
         if self.world.is_rank_zero:
             if path.exists():  # a save at this step that never completed
@@ -171,6 +172,18 @@ class CheckpointMixin(AbstractTrainer):
             self._committed(info)
         self._last_saved_step = self.global_step
         return path
+
+    def _refuse_non_finite(self) -> None:
+        """A checkpoint of NaN/inf weights would poison every resume: refuse to write it."""
+        bad = [f"{name}.{param_name}" for name, model in self.named_models().items()
+               for param_name, param in model.named_parameters()
+               if not bool(torch.isfinite(_local(param)).all())]
+        if any_rank_failed(bool(bad), self.world.device):
+            raise CheckpointError(
+                f"not saving step {self.global_step}: the model has non-finite values"
+                + (f" in {', '.join(bad[:5])}" if bad else " on another rank")
+                + "; the last complete checkpoint is kept (see NanGuard to skip such steps)"
+            )
 
     def _finish_pending_save(self) -> None:
         if self._pending_save is not None:
@@ -303,6 +316,12 @@ class CheckpointMixin(AbstractTrainer):
         if changes:
             logger.warning("the config differs from the checkpoint's:\n  %s",
                            "\n  ".join(changes))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from abc import abstractmethod
 from collections.abc import Iterable, Mapping
@@ -10,6 +11,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 
 from dream_trainer.configs.base import ConfigModel
@@ -50,7 +52,8 @@ class SetupMixin(AbstractTrainer):
     6. ``apply_replicate(dp_mesh)`` when only ``dp_replicate > 1`` (DDP needs real tensors,
        because it broadcasts rank 0's weights when it wraps the model);
     7. ``configure_optimizers()``, ``configure_schedulers()``, ``configure_dataloaders()``
-       (a ``DistributedSampler`` is added to loaders that do not split the data themselves).
+       (map-style loaders with a plain sampler get a ``ResumableSampler``, on one rank too:
+       it splits the data across data-parallel ranks and can resume mid-epoch).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -149,6 +152,19 @@ class SetupMixin(AbstractTrainer):
                 setattr(self, name, backend.wrap(model, mesh, self.world.device))
 
     # -- AbstractTrainer ---------------------------------------------------------------------
+    def teardown(self) -> None:
+        """Unwrap DDP models, so that ``self.model`` is the plain module after ``fit()``.
+
+        A DDP wrapper keeps the gloo process group alive past ``destroy_process_group()``;
+        freed later (at interpreter exit, say) its group's destructor can deadlock with a
+        gloo thread waiting for the GIL (pytorch#56297).
+        """
+        for name, model in self.named_models().items():
+            if isinstance(model, DistributedDataParallel):
+                setattr(self, name, model.module)
+        gc.collect()
+        super().teardown()
+
     def configure(self) -> None:
         """Run ``configure_models()`` on the meta device and record the models it assigned.
 

@@ -78,6 +78,12 @@ class AbstractTrainer(TrainerHooks, ABC):
     def setup(self) -> None:
         """Parallelize and materialize models; create optimizers, schedulers and loaders."""
 
+    def teardown(self) -> None:
+        """Release what holds the process group, before ``fit()`` destroys it (always runs).
+
+        Overrides call ``super().teardown()``.
+        """
+
     # -- what the trainer owns -------------------------------------------------------------
     @abstractmethod
     def named_models(self) -> dict[str, nn.Module]:
@@ -110,6 +116,11 @@ class AbstractTrainer(TrainerHooks, ABC):
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         """Compute validation values for one batch (gradients are disabled)."""
 
+    @abstractmethod
+    def run_validation(self, dataloader: Iterable[Any] | None = None,
+                       max_batches: int | None = None) -> dict[str, float]:
+        """Run one validation pass and return its averaged results."""
+
     # -- state -----------------------------------------------------------------------------
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
@@ -118,3 +129,13 @@ class AbstractTrainer(TrainerHooks, ABC):
     @abstractmethod
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
+
+    def extra_state_dict(self) -> dict[str, Any]:
+        """State of mixins that checkpoints must keep (a logger's run id, ...).
+
+        A mixin that overrides this merges its entries into ``super().extra_state_dict()``.
+        """
+        return {}
+
+    def load_extra_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what ``extra_state_dict`` returned; overrides call ``super()``."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -96,6 +96,7 @@ class BaseTrainer(AbstractTrainer):
             self._report_failure(exc)
             raise
         finally:
+            self.teardown()
             self.world.shutdown(graceful=completed)
 
     def _launch(self) -> None:
@@ -140,6 +141,7 @@ class BaseTrainer(AbstractTrainer):
         self._fire("post_epoch")
         self.current_epoch += 1
         self._epoch_done = False
+        self._batches_done = 0
 
     # -- training ------------------------------------------------------------------------------
     @property
@@ -291,8 +293,25 @@ class BaseTrainer(AbstractTrainer):
         return None
 
     # -- validation ---------------------------------------------------------------------------------
-    def _validation_epoch(self, max_batches: int | None) -> dict[str, float]:
-        loader = self.val_dataloader
+    def run_validation(self, dataloader: Iterable[Any] | None = None,
+                       max_batches: int | None = None) -> dict[str, float]:
+        """One validation pass (validation hooks included); returns its averaged results.
+
+        Inside ``fit()`` it uses the running process group. Outside it starts one for the pass
+        and tears it down again, which suits single-process models; models wrapped by DDP or
+        FSDP2 are bound to ``fit()``'s group, so evaluate those from a hook (``post_fit``).
+        """
+        if self.world.is_launched:
+            return self._validation_epoch(max_batches, dataloader)
+        self.world.launch()
+        try:
+            return self._validation_epoch(max_batches, dataloader)
+        finally:
+            self.world.shutdown()
+
+    def _validation_epoch(self, max_batches: int | None,
+                          dataloader: Iterable[Any] | None = None) -> dict[str, float]:
+        loader = dataloader if dataloader is not None else self.val_dataloader
         if loader is None:
             return {}
         self.training = False

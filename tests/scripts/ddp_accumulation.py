@@ -35,7 +35,7 @@ def run(**training: Any) -> tuple[dict[str, torch.Tensor], int, int]:
     CountingTrainer.allreduces = 0
     trainer = CountingTrainer(toy_config(n_samples=128, optimizer="sgd", **training))
     trainer.fit()
-    weights = {k: v.clone() for k, v in trainer.model.module.state_dict().items()}
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     return weights, CountingTrainer.allreduces, trainer.global_step
 
 

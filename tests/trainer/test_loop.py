@@ -130,7 +130,8 @@ def test_models_are_created_without_storage() -> None:
 def test_state_dict_round_trips_the_counters() -> None:
     trainer, _ = run(n_samples=32)
     state = trainer.state_dict()
-    assert (state["global_step"], state["current_epoch"]) == (4, 1)
+    # Between epochs the position is the start of the next one, not the end of the last.
+    assert (state["global_step"], state["current_epoch"], state["batch_in_epoch"]) == (4, 1, 0)
     fresh = ToyTrainer(toy_config())
     fresh.load_state_dict(state)
     assert (fresh.global_step, fresh.current_epoch) == (4, 1)

@@ -33,6 +33,8 @@ def test_two_rank_ddp_parity_is_bit_exact(tmp_path: Path) -> None:
     assert result["global_step"] == 10  # 160 samples / 2 ranks / batch 8
     for name, tensor in result["reference"].items():
         assert torch.equal(result["trainer"][name], tensor), name
+    # After fit the DDP wrapper is released (it would outlive the process group).
+    assert result["unwrapped_after_fit"]
     # Both ranks hold the same weights, and the validation mean covers both ranks' halves.
     for name, tensor in result["trainer"].items():
         assert torch.equal(result["rank1_trainer"][name], tensor), name

@@ -1,0 +1,132 @@
+"""``HangWatchdog``: end a process whose training made no progress for too long, with its stacks."""
+
+from __future__ import annotations
+
+import faulthandler
+import math
+import os
+import sys
+import threading
+import time
+from typing import Any, NoReturn
+
+from typing_extensions import override
+
+from dream_trainer.callbacks.callback import Callback
+
+
+class HangWatchdog(Callback):
+    """Dump every thread's stack and exit with code 1 when no batch finished for ``timeout`` s.
+
+    A daemon thread, started in ``pre_fit``, watches for progress: the end of a training or
+    validation batch. It arms at the first ``pre_train_epoch``, so that setup and the sanity
+    check are not timed, and stops when ``fit()`` ends or fails. A hung rank then leaves its
+    stacks in its own log instead of waiting for the collective timeout, and its peers, blocked
+    in a collective with it, are ended by their own watchdogs.
+
+    Args:
+        timeout: Seconds without a finished batch before the process is ended. Allow for the
+            slowest legitimate gap: a checkpoint save, a validation pass's first batch.
+
+    Raises:
+        ValueError: if ``timeout`` is not a positive, finite number of seconds.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"HangWatchdog timeout must be a positive number of seconds, "
+                             f"got {timeout}")
+        self.timeout = float(timeout)
+        # time.monotonic() of the last progress; None while disarmed. Plain attribute reads and
+        # writes are atomic under the GIL, so the watcher thread needs no lock.
+        self._last_progress: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._fit_thread_id: int | None = None
+
+    @property
+    def watching(self) -> bool:
+        """Whether the watchdog thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- hooks ---------------------------------------------------------------------------------
+    @override
+    def pre_fit(self) -> None:
+        self._halt()
+        self._fit_thread_id = threading.get_ident()
+        # A fresh event per thread: a thread left over from an earlier fit() cannot revive.
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(self._stop,),
+                                        name="dream_trainer-hang-watchdog", daemon=True)
+        self._thread.start()
+
+    @override
+    def pre_train_epoch(self) -> None:
+        self._last_progress = time.monotonic()
+
+    @override
+    def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
+        self._last_progress = time.monotonic()
+
+    @override
+    def post_val_batch(self, result: dict[str, Any], batch_idx: int) -> None:
+        self._last_progress = time.monotonic()
+
+    @override
+    def post_fit(self) -> None:
+        self._halt()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._halt()
+
+    # -- the watcher thread --------------------------------------------------------------------
+    def _halt(self) -> None:
+        self._last_progress = None
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _watch(self, stop: threading.Event) -> None:
+        poll = min(1.0, self.timeout / 4)
+        while not stop.wait(poll):
+            last = self._last_progress
+            if last is None:
+                continue
+            stuck = time.monotonic() - last
+            if stuck <= self.timeout:
+                continue
+            # StopTraining ends fit() without post_fit or on_exception, so the watchdog is
+            # never told; a process that has moved on past fit() is not hung.
+            if not self._fit_is_running():
+                return
+            self._abort(stuck)
+
+    def _fit_is_running(self) -> bool:
+        """Whether the thread that called ``pre_fit`` is still inside this trainer's ``fit()``."""
+        if self._fit_thread_id is None:
+            return False
+        frame = sys._current_frames().get(self._fit_thread_id)
+        while frame is not None:
+            if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is self.trainer:
+                return True
+            frame = frame.f_back
+        return False
+
+    def _abort(self, stuck: float) -> NoReturn:
+        """Report the hang on stderr and end the process with exit code 1."""
+        # os._exit, not an exception: the main thread may be blocked inside a C collective
+        # where no Python exception can reach it. The finally makes sure a failed report
+        # cannot leave the process running.
+        try:
+            trainer = self.trainer
+            print(f"HangWatchdog: rank {trainer.world.rank} of {trainer.world.world_size} made "
+                  f"no progress for {stuck:.1f} s (timeout {self.timeout:g} s) at global step "
+                  f"{trainer.global_step}, epoch {trainer.current_epoch}; stacks of every "
+                  "thread follow, then the process exits with code 1",
+                  file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
+        finally:
+            os._exit(1)

@@ -1,0 +1,63 @@
+"""``LRMonitor``: the learning rate of every optimizer's parameter groups, step by step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from typing_extensions import override
+
+from dream_trainer.callbacks.callback import RankZeroCallback
+
+
+class LRMonitor(RankZeroCallback):
+    """Record every optimizer's learning rates each ``every_n_steps`` optimizer steps.
+
+    After optimizer step ``N`` (scheduler stepped), the values are those the next update uses,
+    as ``scheduler.get_last_lr()`` reports them. They are kept in ``latest`` and ``history`` and
+    passed to ``trainer.log_dict(values, step=N)`` when the trainer has one (a logger mixin).
+    Keys are ``lr/<optimizer>``, or ``lr/<optimizer>/<group index>`` for several groups.
+    Rank 0 only: the learning rates are the same on every rank.
+
+    Args:
+        every_n_steps: Record when the global step is a multiple of this.
+
+    Raises:
+        ValueError: if ``every_n_steps < 1``.
+    """
+
+    def __init__(self, every_n_steps: int = 1) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"LRMonitor every_n_steps must be at least 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.latest: dict[str, float] = {}
+        self.history: list[tuple[int, dict[str, float]]] = []
+
+    @override
+    def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
+        # Here rather than in post_optimizer_step: that fires once per optimizer, before the
+        # loop counts the step, while this fires once per window with global_step up to date.
+        trainer = self.trainer
+        if trainer.is_accumulating_gradients or trainer.global_step % self.every_n_steps:
+            return
+        self.latest = self.learning_rates()
+        self.history.append((trainer.global_step, self.latest))
+        log_dict = getattr(trainer, "log_dict", None)
+        if callable(log_dict):
+            log_dict(dict(self.latest), step=trainer.global_step)
+
+    def learning_rates(self) -> dict[str, float]:
+        """The current learning rate of every parameter group of every optimizer.
+
+        Returns:
+            ``{"lr/<optimizer>": lr}``, or ``{"lr/<optimizer>/<group index>": lr, ...}`` for an
+            optimizer with several parameter groups.
+        """
+        values: dict[str, float] = {}
+        for name, optimizer in self.trainer.named_optimizers().items():
+            groups = optimizer.param_groups
+            if len(groups) == 1:
+                values[f"lr/{name}"] = float(groups[0]["lr"])
+                continue
+            for index, group in enumerate(groups):
+                values[f"lr/{name}/{index}"] = float(group["lr"])
+        return values

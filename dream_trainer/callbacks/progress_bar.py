@@ -1,0 +1,230 @@
+"""``ProgressBar``: training progress on a terminal, or plain lines in logs."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TextIO
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
+from typing_extensions import override
+
+from dream_trainer.callbacks.callback import RankZeroCallback
+
+if TYPE_CHECKING:
+    from dream_trainer.configs.training import TrainingParameters
+    from dream_trainer.trainer.base import BaseTrainer
+
+
+def planned_optimizer_steps(params: TrainingParameters, steps_per_epoch: int) -> int:
+    """Optimizer steps ``fit()`` runs in all: every epoch's, cut at ``max_steps``.
+
+    Args:
+        params: The run's training parameters.
+        steps_per_epoch: Optimizer steps per epoch, as the trainer planned them.
+
+    Returns:
+        The planned number of optimizer steps over the whole run.
+    """
+    total = params.n_epochs * steps_per_epoch
+    return total if params.max_steps is None else min(total, params.max_steps)
+
+
+class ProgressBar(RankZeroCallback):
+    """Show epoch, step, smoothed loss, throughput and ETA, counted in optimizer steps.
+
+    On a terminal (``stream.isatty()``) a rich display holds a bar for the current epoch and
+    one for the whole run; elsewhere (CI logs, files) it prints one plain line per refresh,
+    such as ``epoch 1/3 step 40/120 loss 0.5234 2150.3 samples/s eta 0:00:12``, and one per
+    validation pass, such as ``validation epoch 1: val_loss=0.4321``.
+
+    Args:
+        refresh_every_n_steps: Update the display every this many optimizer steps (and at
+            the last one). Each update reads the loss from the device, a host sync.
+        smoothing: Weight of the newest optimizer step in the exponential moving averages of
+            the loss (the mean of ``result["loss"]`` over the step's micro-batches) and of
+            the step time that throughput and ETA derive from.
+        stream: Where to write; ``sys.stdout`` (looked up when writing) by default.
+
+    Raises:
+        ValueError: if ``refresh_every_n_steps < 1`` or ``smoothing`` is not in (0, 1].
+    """
+
+    trainer: BaseTrainer
+
+    def __init__(self, refresh_every_n_steps: int = 1, smoothing: float = 0.1,
+                 stream: TextIO | None = None) -> None:
+        if refresh_every_n_steps < 1:
+            raise ValueError(
+                f"ProgressBar refresh_every_n_steps must be at least 1, got {refresh_every_n_steps}")
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"ProgressBar smoothing must be in (0, 1], got {smoothing}: it is "
+                             "the weight of the newest step (1 means no smoothing)")
+        self.refresh_every_n_steps = refresh_every_n_steps
+        self.smoothing = smoothing
+        self._stream = stream
+        self._progress: Progress | None = None
+        self._epoch_task = TaskID(0)
+        self._run_task = TaskID(0)
+        self._total_steps = 0
+        self._total_epochs = 0
+        self._steps_per_epoch = 0
+        self._epoch_start_step = 0
+        # Loss: the current window's micro-batch losses, then the EMA, kept on the device so
+        # that only a refresh syncs with the host.
+        self._window_loss: torch.Tensor | None = None
+        self._window_batches = 0
+        self._loss_ema: torch.Tensor | None = None
+        # Step time: measured from the last refresh (time and step), validation excluded.
+        self._mark_time: float | None = None
+        self._mark_step = 0
+        self._val_start: float | None = None
+        self._step_time_ema: float | None = None
+
+    @property
+    def stream(self) -> TextIO:
+        """The stream written to."""
+        return self._stream if self._stream is not None else sys.stdout
+
+    # -- hooks ---------------------------------------------------------------------------------
+    @override
+    def pre_fit(self) -> None:
+        self._stop_live()
+        params = self.trainer.training_parameters
+        self._steps_per_epoch = self.trainer._train_steps_per_epoch
+        self._total_steps = planned_optimizer_steps(params, self._steps_per_epoch)
+        self._total_epochs = min(params.n_epochs,
+                                 math.ceil(self._total_steps / self._steps_per_epoch))
+        self._loss_ema = self._step_time_ema = None
+        self._mark_time, self._mark_step = time.perf_counter(), self.trainer.global_step
+        if self.stream.isatty():
+            self._start_live()
+
+    @override
+    def pre_train_epoch(self) -> None:
+        self._window_loss, self._window_batches = None, 0
+        epoch = self.trainer.current_epoch
+        # A resumed run may start mid-epoch: every earlier epoch ran steps_per_epoch steps.
+        self._epoch_start_step = min(epoch * self._steps_per_epoch, self.trainer.global_step)
+        if self._progress is not None:
+            epoch_steps = min(self._steps_per_epoch, self._total_steps - epoch * self._steps_per_epoch)
+            self._progress.reset(self._epoch_task, total=epoch_steps,
+                                 completed=self.trainer.global_step - self._epoch_start_step,
+                                 description=f"epoch {epoch + 1}/{self._total_epochs}")
+
+    @override
+    def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
+        if "loss" in result:
+            loss = torch.as_tensor(result["loss"]).detach().float()
+            self._window_loss = loss if self._window_loss is None else self._window_loss + loss
+            self._window_batches += 1
+        if self.trainer.is_accumulating_gradients:
+            return
+        if self._window_loss is not None:
+            step_loss = self._window_loss / self._window_batches
+            self._loss_ema = (step_loss if self._loss_ema is None
+                              else torch.lerp(self._loss_ema, step_loss, self.smoothing))
+        self._window_loss, self._window_batches = None, 0
+        step = self.trainer.global_step
+        if step % self.refresh_every_n_steps == 0 or step == self._total_steps:
+            self._refresh(step)
+
+    @override
+    def pre_val_epoch(self) -> None:
+        self._val_start = time.perf_counter()
+
+    @override
+    def post_val_epoch(self, result: dict[str, Any]) -> None:
+        if self._val_start is not None and self._mark_time is not None:
+            # Throughput and ETA are about training: the pass's time is taken out.
+            self._mark_time += time.perf_counter() - self._val_start
+        self._val_start = None
+        if self.trainer.sanity_checking:
+            return
+        where = f"validation epoch {self.trainer.current_epoch + 1}"
+        if self.trainer.training_parameters.val_every_n_steps is not None:
+            where += f" step {self.trainer.global_step}"
+        values = " ".join(f"{key}={_format_value(value)}" for key, value in result.items())
+        self._print(f"{where}: {values}")
+
+    @override
+    def post_fit(self) -> None:
+        self._stop_live()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._stop_live()
+
+    # -- measuring and rendering ------------------------------------------------------------------
+    def _refresh(self, step: int) -> None:
+        status = self._status(step)
+        if self._progress is None:
+            self._print(f"epoch {self.trainer.current_epoch + 1}/{self._total_epochs} "
+                        f"step {step}/{self._total_steps} {status}")
+            return
+        self._progress.update(self._epoch_task, completed=step - self._epoch_start_step)
+        self._progress.update(self._run_task, completed=step, status=status, refresh=True)
+
+    def _status(self, step: int) -> str:
+        """``loss L S samples/s eta H:MM:SS``, updating the step-time average (a host sync)."""
+        now = time.perf_counter()
+        assert self._mark_time is not None, "pre_fit sets the time mark before any step"
+        steps = step - self._mark_step
+        if steps > 0:
+            step_time = (now - self._mark_time) / steps
+            # Weighting a refresh of k steps as k updates of the same value keeps the average
+            # per optimizer step, whatever refresh_every_n_steps is.
+            weight = 1 - (1 - self.smoothing) ** steps
+            self._step_time_ema = (step_time if self._step_time_ema is None else
+                                   self._step_time_ema + weight * (step_time - self._step_time_ema))
+            self._mark_time, self._mark_step = now, step
+        parts = [] if self._loss_ema is None else [f"loss {float(self._loss_ema):.4f}"]
+        if self._step_time_ema is not None:
+            throughput = (self._samples_per_step / self._step_time_ema
+                          if self._step_time_ema > 0 else math.inf)
+            eta = timedelta(seconds=round((self._total_steps - step) * self._step_time_ema))
+            parts += [f"{throughput:.1f} samples/s", f"eta {eta}"]
+        return " ".join(parts)
+
+    @property
+    def _samples_per_step(self) -> int:
+        """Samples in one optimizer step over every data-parallel rank."""
+        params = self.trainer.training_parameters
+        return (params.train_batch_size * params.gradient_accumulation_steps
+                * self.trainer.world.dp_size)
+
+    def _print(self, line: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def _start_live(self) -> None:
+        # The display refreshes only when a step asks it to, never from a background thread,
+        # so refresh_every_n_steps bounds the rendering and host-sync cost.
+        self._progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=Console(file=self.stream), auto_refresh=False,
+        )
+        self._epoch_task = self._progress.add_task("epoch", total=self._steps_per_epoch,
+                                                   status="")
+        self._run_task = self._progress.add_task("train", total=self._total_steps,
+                                                 completed=self.trainer.global_step, status="")
+        self._progress.start()
+
+    def _stop_live(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def _format_value(value: Any) -> str:
+    """Four decimals for floats (and one-element tensors), ``str`` for anything else."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    return f"{value:.4f}" if isinstance(value, float) else str(value)

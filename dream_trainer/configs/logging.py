@@ -1,0 +1,20 @@
+"""What is logged, how often, and where local log files go."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import PositiveInt
+
+from dream_trainer.configs.base import ConfigModel
+
+
+class LoggingParameters(ConfigModel):
+    """Logging cadence and location, shared by every logger mixin."""
+
+    enabled: bool = True
+    """Log at all (rank 0 only, always)."""
+    log_every_n_steps: PositiveInt = 10
+    """Log training step results every N optimizer steps (a host sync when logging)."""
+    log_dir: Path = Path("outputs")
+    """Logs go to ``<log_dir>/<project>/<group>/<experiment>/logs/``."""

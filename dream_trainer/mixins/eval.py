@@ -1,0 +1,123 @@
+"""``EvalMixin``: torchmetrics metrics updated in validation, computed across ranks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from dream_trainer.configs.base import ConfigModel
+from dream_trainer.parallel.materialize import any_rank_failed
+from dream_trainer.trainer.abstract import AbstractTrainer
+
+
+def _torchmetrics() -> Any:
+    try:
+        import torchmetrics
+    except ImportError as exc:
+        raise ImportError(
+            "EvalMixin needs torchmetrics: pip install 'dream-trainer[metrics]'"
+        ) from exc
+    return torchmetrics
+
+
+class EvalConfigMixin(ConfigModel):
+    """Config counterpart of ``EvalMixin`` (the metrics themselves are code, not config)."""
+
+
+class EvalMixin(AbstractTrainer):
+    """Adds torchmetrics metrics to validation.
+
+    ``configure_metrics()`` assigns ``Metric``/``MetricCollection`` attributes; they are moved
+    to the device, reset before every validation pass, updated by ``validation_step`` (call
+    ``self.<metric>.update(...)`` or ``self.<metric>(...)``), and at the end of the pass
+    computed over every data-parallel rank and merged into the epoch result as
+    ``"<attribute>/<name>"``: ``<name>`` is a collection's key, or a single metric's class
+    name. A metric that no rank updated contributes nothing.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._metric_names: list[str] = []
+
+    def configure_metrics(self) -> None:
+        """Assign ``torchmetrics`` metrics to ``self`` (optional)."""
+
+    def named_metrics(self) -> dict[str, Any]:
+        """The metrics, by attribute name."""
+        return {name: getattr(self, name) for name in self._metric_names}
+
+    # -- hooks -----------------------------------------------------------------------------
+    def post_setup(self) -> None:
+        before = dict(vars(self))
+        self.configure_metrics()
+        added = [name for name, value in vars(self).items() if before.get(name) is not value]
+        if added:
+            metric_type = _torchmetrics().Metric, _torchmetrics().MetricCollection
+            self._metric_names = [name for name in added
+                                  if isinstance(getattr(self, name), metric_type)]
+        mesh = self.world.dp_mesh
+        for metric in self.named_metrics().values():
+            metric.to(self.world.device)
+            for leaf in _leaves(metric):
+                # Tensor-parallel ranks see the same samples: sync over data parallel only,
+                # and not at all when there is a single data-parallel rank.
+                leaf.process_group = None if mesh is None else mesh.get_group()
+                leaf.sync_on_compute = mesh is not None
+        super().post_setup()
+
+    def pre_val_epoch(self) -> None:
+        for metric in self.named_metrics().values():
+            metric.reset()
+        super().pre_val_epoch()
+
+    def post_val_epoch(self, result: dict[str, Any]) -> None:
+        result.update(self.compute_metrics())
+        super().post_val_epoch(result)
+
+    # -- computing -------------------------------------------------------------------------
+    def compute_metrics(self) -> dict[str, float]:
+        """Compute every metric over all data-parallel ranks, then reset it (collective)."""
+        values: dict[str, float] = {}
+        for attribute, metric in self.named_metrics().items():
+            updated = any(leaf.update_count > 0 for leaf in _leaves(metric))
+            # Every rank must take part in the sync, so decide together.
+            if any_rank_failed(updated, self.world.device):
+                computed = metric.compute()
+                if not isinstance(computed, dict):
+                    computed = {type(metric).__name__: computed}
+                for name, value in computed.items():
+                    values[f"{attribute}/{name}"] = _scalar(value)
+            metric.reset()
+        return values
+
+    def evaluate(self, dataloader: Iterable[Any] | None = None) -> dict[str, float]:
+        """Run a validation pass now and return its results, metrics included.
+
+        Usable during and after ``fit()`` (the process group is started for the pass and
+        torn down again when ``fit()`` is not running).
+
+        Args:
+            dataloader: The loader to evaluate on; the configured validation loader when None.
+
+        Raises:
+            ValueError: if there is no loader to evaluate on.
+        """
+        loader = dataloader if dataloader is not None else self.val_dataloader
+        if loader is None:
+            raise ValueError("evaluate() needs a dataloader: pass one, or return a validation "
+                             "loader from configure_dataloaders")
+        return self.run_validation(loader)
+
+
+def _leaves(metric: Any) -> list[Any]:
+    return list(metric.values()) if isinstance(metric, _torchmetrics().MetricCollection) \
+        else [metric]
+
+
+def _scalar(value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().mean()) if value.numel() else math.nan
+    return float(value)

@@ -1,0 +1,173 @@
+"""ProgressBar: plain lines for logs (exact format and values), rich bars on a terminal."""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.nn.functional as F
+
+from dream_trainer.callbacks import Callback
+from dream_trainer.callbacks.progress_bar import ProgressBar
+from tests.helpers.launch import check, torchrun
+from tests.helpers.toy import ToyTrainer, toy_config
+
+
+class FakeClock(Callback):
+    """Replaces ``time.perf_counter``: time moves only when a training micro-batch starts,
+    and (optionally) when a validation batch starts. Records what the bar should show."""
+
+    def __init__(self, seconds_per_batch: float, seconds_per_val_batch: float = 0.0) -> None:
+        self.now = 1000.0
+        self.seconds_per_batch = seconds_per_batch
+        self.seconds_per_val_batch = seconds_per_val_batch
+        self.losses: list[float] = []
+        self.val_results: list[dict[str, Any]] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def pre_train_batch(self, batch: Any, batch_idx: int) -> None:
+        self.now += self.seconds_per_batch
+
+    def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
+        if "loss" in result:
+            self.losses.append(float(result["loss"].detach()))
+
+    def pre_val_batch(self, batch: Any, batch_idx: int) -> None:
+        self.now += self.seconds_per_val_batch
+
+    def post_val_epoch(self, result: dict[str, Any]) -> None:
+        if not self.trainer.sanity_checking:
+            self.val_results.append(result)
+
+
+def fit_plain(monkeypatch: pytest.MonkeyPatch, bar: ProgressBar, clock: FakeClock,
+              trainer_class: type[ToyTrainer] = ToyTrainer, **config: Any) -> list[str]:
+    monkeypatch.setattr(time, "perf_counter", clock)
+    trainer_class(toy_config(callbacks=[clock, bar], **config)).fit()
+    output = bar.stream.getvalue()  # type: ignore[attr-defined]
+    assert "\x1b" not in output and "\r" not in output
+    return output.splitlines()
+
+
+def ema(values: list[float], smoothing: float) -> list[float]:
+    averages = [values[0]]
+    for value in values[1:]:
+        averages.append(averages[-1] + smoothing * (value - averages[-1]))
+    return averages
+
+
+def test_plain_lines_have_the_exact_format_and_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 64 samples in micro-batches of 8, two per optimizer step: 4 steps per epoch, 12 in all.
+    clock = FakeClock(seconds_per_batch=0.25, seconds_per_val_batch=30.0)
+    bar = ProgressBar(refresh_every_n_steps=2, smoothing=0.1, stream=io.StringIO())
+    lines = fit_plain(monkeypatch, bar, clock, n_epochs=3, n_samples=64,
+                      gradient_accumulation_steps=2)
+
+    step_losses = [(a + b) / 2 for a, b in zip(clock.losses[::2], clock.losses[1::2])]
+    smoothed = ema(step_losses, 0.1)
+    expected_val = iter(f"validation epoch {epoch}: val_loss={result['val_loss']:.4f}"
+                        for epoch, result in enumerate(clock.val_results, start=1))
+    assert len(lines) == 6 + 3
+    for step in range(2, 13, 2):
+        line = lines.pop(0)
+        epoch = (step - 1) // 4 + 1
+        # 16 samples per 0.5 s step; validation time (30 s a batch) is not training time.
+        match = re.fullmatch(rf"epoch {epoch}/3 step {step}/12 loss (\d+\.\d{{4}}) "
+                             rf"32\.0 samples/s eta 0:00:0{(12 - step) // 2}", line)
+        assert match, line
+        assert float(match.group(1)) == pytest.approx(smoothed[step - 1], abs=1e-4)
+        if step % 4 == 0:
+            assert lines.pop(0) == next(expected_val)
+    assert lines == []
+
+
+def test_max_steps_sets_the_totals_and_the_last_step_refreshes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock(seconds_per_batch=1.0)
+    bar = ProgressBar(refresh_every_n_steps=4, stream=io.StringIO())
+    lines = fit_plain(monkeypatch, bar, clock, n_epochs=5, n_samples=32, max_steps=6)
+    progress = [line.split(" loss ")[0] for line in lines if line.startswith("epoch")]
+    assert progress == ["epoch 1/2 step 4/6", "epoch 2/2 step 6/6"]
+    assert lines[-1].startswith("validation epoch 2: val_loss=")
+    assert re.search(r" 8\.0 samples/s eta 0:00:02$", lines[0])
+
+
+def test_mid_epoch_validation_names_its_step_and_sanity_checks_are_silent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    bar = ProgressBar(refresh_every_n_steps=100, stream=io.StringIO())
+    lines = fit_plain(monkeypatch, bar, FakeClock(0.1), n_samples=32, val_every_n_steps=2,
+                      num_sanity_val_steps=1)
+    validations = [line.split(":")[0] for line in lines if line.startswith("validation")]
+    assert validations == ["validation epoch 1 step 2", "validation epoch 1 step 4"]
+
+
+def test_results_without_a_loss_show_speed_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    class NoLoss(ToyTrainer):
+        def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+            x, y = batch
+            self.backward(F.mse_loss(self.model(x), y))
+            self.step(self.model, self.optimizer)
+            return {}
+
+    bar = ProgressBar(stream=io.StringIO())
+    lines = fit_plain(monkeypatch, bar, FakeClock(0.5), NoLoss, n_samples=16)
+    assert lines[:2] == ["epoch 1/1 step 1/2 16.0 samples/s eta 0:00:00",
+                         "epoch 1/1 step 2/2 16.0 samples/s eta 0:00:00"]
+
+
+@pytest.mark.parametrize("kwargs", [{"refresh_every_n_steps": 0}, {"smoothing": 0.0},
+                                    {"smoothing": 1.5}])
+def test_invalid_settings_are_rejected(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        ProgressBar(**kwargs)
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_gets_rich_bars_and_stdout_is_restored() -> None:
+    stream = FakeTerminal()
+    stdout = sys.stdout
+    ToyTrainer(toy_config(n_epochs=2, n_samples=32, callbacks=[ProgressBar(stream=stream)])).fit()
+    output = stream.getvalue()
+    assert "\x1b" in output
+    assert "epoch 2/2" in output and "8/8" in output and "samples/s" in output
+    assert "validation epoch 2: val_loss=" in output
+    assert sys.stdout is stdout
+
+
+SCRIPT = """
+import time
+from dream_trainer.callbacks.progress_bar import ProgressBar
+from dream_trainer.configs import DeviceParameters
+from tests.callbacks.test_progress_bar import FakeClock
+from tests.helpers.toy import ToyTrainer, toy_config
+
+clock = FakeClock(seconds_per_batch=0.5)
+time.perf_counter = clock
+ToyTrainer(toy_config(n_samples=64, device_parameters=DeviceParameters.DDP(),
+                      callbacks=[clock, ProgressBar(refresh_every_n_steps=2)])).fit()
+"""
+
+
+@pytest.mark.distributed
+def test_only_rank_zero_prints_and_samples_count_every_rank(tmp_path: Path) -> None:
+    script = tmp_path / "progress.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    output = check(torchrun(script)).stdout
+    lines = [line for line in output.splitlines() if line.startswith(("epoch", "validation"))]
+    # 64 samples over 2 ranks in batches of 8: 4 steps of 16 samples, 0.5 s each.
+    assert [line.split(" loss ")[0] for line in lines[:2]] == ["epoch 1/1 step 2/4",
+                                                               "epoch 1/1 step 4/4"]
+    assert lines[0].endswith(" 32.0 samples/s eta 0:00:01")
+    assert len(lines) == 3 and lines[2].startswith("validation epoch 1: val_loss=")

@@ -1,0 +1,66 @@
+"""Script: HangWatchdog, in one of two modes given as the first argument.
+
+``hang`` (2 ranks): rank 1 sleeps forever in training_step at global step 2 while rank 0
+waits for it in a collective. Rank 0's watchdog (3 s) ends rank 0 while rank 1 still sleeps,
+so rank 0 is ended by its own watchdog, not by a broken connection; rank 1's (5 s) ends rank 1.
+
+``progress`` (1 process): setup, and every step, are slow but each within the timeout or before
+the watchdog arms; StopTraining then ends fit() without post_fit, and the process lives on
+past the timeout. It must print "survived" and exit 0.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from dream_trainer.callbacks import Callback
+from dream_trainer.callbacks.hang_watchdog import HangWatchdog
+from dream_trainer.trainer import StopTraining
+from tests.helpers.toy import ToyTrainer, toy_config
+
+
+class HangsOnRankOne(ToyTrainer):
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        if self.world.rank == 1 and self.global_step == 2:
+            time.sleep(3600)
+        return super().training_step(batch, batch_idx)
+
+
+class SlowButProgressing(ToyTrainer):
+    TIMEOUT = 1.0
+
+    def configure_models(self) -> None:
+        time.sleep(2 * self.TIMEOUT)  # before the watchdog arms: not timed
+        super().configure_models()
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        time.sleep(self.TIMEOUT / 4)
+        return super().training_step(batch, batch_idx)
+
+
+class StopAfterFirstEpoch(Callback):
+    def post_epoch(self) -> None:
+        raise StopTraining("first epoch done")
+
+
+def hang() -> None:
+    trainer = HangsOnRankOne(toy_config(n_epochs=5, n_samples=160))
+    trainer.callbacks.append(HangWatchdog(timeout=3.0 + 2.0 * trainer.world.rank))
+    trainer.callbacks.attach(trainer)
+    trainer.fit()
+    print("finished without hanging")
+
+
+def progress() -> None:
+    watchdog = HangWatchdog(timeout=SlowButProgressing.TIMEOUT)
+    trainer = SlowButProgressing(toy_config(callbacks=[watchdog, StopAfterFirstEpoch()],
+                                            n_epochs=3, n_samples=64))
+    trainer.fit()
+    time.sleep(3 * SlowButProgressing.TIMEOUT)
+    print(f"survived; watching={watchdog.watching}")
+
+
+if __name__ == "__main__":
+    {"hang": hang, "progress": progress}[sys.argv[1]]()
