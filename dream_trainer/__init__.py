@@ -1,7 +1,9 @@
 """dream_trainer: a mixin-composed distributed training framework for PyTorch."""
 
 from dream_trainer.trainer import (AbstractTrainer, AbstractTrainerConfig, BaseTrainer,
-                                   BaseTrainerConfig)
+                                   BaseTrainerConfig, DreamTrainer, DreamTrainerConfig,
+                                   StopTraining)
 
-__all__ = ["AbstractTrainer", "AbstractTrainerConfig", "BaseTrainer", "BaseTrainerConfig"]
+__all__ = ["AbstractTrainer", "AbstractTrainerConfig", "BaseTrainer", "BaseTrainerConfig",
+           "DreamTrainer", "DreamTrainerConfig", "StopTraining"]
 __version__ = "0.1.0"

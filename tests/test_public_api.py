@@ -12,9 +12,14 @@ from tests.helpers.launch import REPO, child_env
 
 SNAPSHOT = {
     "dream_trainer": ["AbstractTrainer", "AbstractTrainerConfig", "BaseTrainer",
-                      "BaseTrainerConfig"],
-    "dream_trainer.configs": ["ConfigModel", "DeviceParameters", "TrainingParameters"],
-    "dream_trainer.mixins": ["SetupConfigMixin", "SetupMixin"],
+                      "BaseTrainerConfig", "DreamTrainer", "DreamTrainerConfig", "StopTraining"],
+    "dream_trainer.configs": ["CheckpointParameters", "ConfigModel", "DeviceParameters",
+                              "LoggingParameters", "TrainingParameters"],
+    "dream_trainer.mixins": ["CheckpointConfigMixin", "CheckpointMixin", "EvalConfigMixin",
+                             "EvalMixin", "JSONLoggerConfigMixin", "JSONLoggerMixin",
+                             "LoggerMixin", "SetupConfigMixin", "SetupMixin",
+                             "WandBLoggerConfigMixin", "WandBLoggerMixin"],
+    "dream_trainer.checkpoint": ["CheckpointError", "CheckpointInfo", "export_checkpoint"],
     "dream_trainer.callbacks": ["HOOK_NAMES", "Callback", "CallbackCollection",
                                 "RankZeroCallback", "TrainerHooks"],
     "dream_trainer.world": ["DistributedWorld", "LaunchEnvironment", "MeshAxis",

@@ -2,6 +2,7 @@
 
 from dream_trainer.trainer.abstract import AbstractTrainer, AbstractTrainerConfig, StopTraining
 from dream_trainer.trainer.base import BaseTrainer, BaseTrainerConfig
+from dream_trainer.trainer.dream import DreamTrainer, DreamTrainerConfig
 
 __all__ = ["AbstractTrainer", "AbstractTrainerConfig", "BaseTrainer", "BaseTrainerConfig",
-           "StopTraining"]
+           "DreamTrainer", "DreamTrainerConfig", "StopTraining"]
