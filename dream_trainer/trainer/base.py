@@ -298,8 +298,9 @@ class BaseTrainer(AbstractTrainer):
         """One validation pass (validation hooks included); returns its averaged results.
 
         Inside ``fit()`` it uses the running process group. Outside it starts one for the pass
-        and tears it down again, which suits single-process models; models wrapped by DDP or
-        FSDP2 are bound to ``fit()``'s group, so evaluate those from a hook (``post_fit``).
+        and tears it down again; that suits plain and (once ``fit()`` unwrapped them) DDP
+        models, while FSDP2 models stay bound to ``fit()``'s group: evaluate those from a
+        hook such as ``post_fit``.
         """
         if self.world.is_launched:
             return self._validation_epoch(max_batches, dataloader)
