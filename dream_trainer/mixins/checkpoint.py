@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from pydantic import Field
 
 from dream_trainer.checkpoint.layout import (CONFIG, CheckpointError, CheckpointInfo,
@@ -153,22 +156,24 @@ class CheckpointMixin(AbstractTrainer):
             return path
         self._refuse_non_finite()
         info = CheckpointInfo(path, self.global_step, self.current_epoch, self._monitor_value())
-        if self.world.is_rank_zero:
-            if path.exists():  # a save at this step that never completed
-                shutil.rmtree(path)
-            path.mkdir(parents=True)
-            info.write()
-            (path / CONFIG).write_text(self.config.model_dump_json(indent=2))
-        self._barrier()
-        state = {"state": TrainingState(self)}
         if asynchronous is None:
             asynchronous = self.checkpoint_parameters.async_save
-        if asynchronous:
-            future = dcp.async_save(state, checkpoint_id=str(path),
-                                    process_group=self._checkpoint_group)
-            self._pending_save = (future, info)  # type: ignore[assignment]
-        else:
-            dcp.save(state, checkpoint_id=str(path), process_group=self._checkpoint_group)
+        with self._explain_write_errors(path):
+            if self.world.is_rank_zero:
+                if path.exists():  # a save at this step that never completed
+                    shutil.rmtree(path)
+                path.mkdir(parents=True)
+                info.write()
+                (path / CONFIG).write_text(self.config.model_dump_json(indent=2))
+            self._barrier()
+            state = {"state": TrainingState(self)}
+            if asynchronous:
+                future = dcp.async_save(state, checkpoint_id=str(path),
+                                        process_group=self._checkpoint_group)
+                self._pending_save = (future, info)  # type: ignore[assignment]
+            else:
+                dcp.save(state, checkpoint_id=str(path), process_group=self._checkpoint_group)
+        if not asynchronous:
             self._committed(info)
         self._last_saved_step = self.global_step
         return path
@@ -189,8 +194,31 @@ class CheckpointMixin(AbstractTrainer):
         if self._pending_save is not None:
             future, info = self._pending_save
             self._pending_save = None
-            future.result()
+            with self._explain_write_errors(info.path):
+                future.result()
             self._committed(info)
+
+    @contextlib.contextmanager
+    def _explain_write_errors(self, path: Path) -> Iterator[None]:
+        """Turn a failed write (full disk, read-only directory) into an error saying what is
+        kept; the half-written directory has no .metadata, so resume skips it."""
+        try:
+            yield
+        except (OSError, CheckpointException) as exc:
+            kept = complete_checkpoints(self.checkpoint_dir)
+            # DCP gathers every rank's error into one exception: name the real causes.
+            cause = "; ".join(f"rank {rank}: {_root_cause(error)}"
+                              for rank, error in exc.failures.items()) \
+                if isinstance(exc, CheckpointException) else str(exc)
+            free = shutil.disk_usage(self.checkpoint_dir).free \
+                if self.checkpoint_dir.exists() else None
+            raise CheckpointError(
+                f"could not write checkpoint {path}: {cause}"
+                + ("" if free is None else f" ({free} bytes free on its device)")
+                + ". Training state in memory is "
+                "unchanged; resume would use "
+                + (str(kept[-1].path) if kept else "no checkpoint (none is complete)")
+            ) from exc
 
     def _committed(self, info: CheckpointInfo) -> None:
         logger.info("saved checkpoint %s", info.path)
@@ -316,6 +344,14 @@ class CheckpointMixin(AbstractTrainer):
         if changes:
             logger.warning("the config differs from the checkpoint's:\n  %s",
                            "\n  ".join(changes))
+
+
+def _root_cause(error: BaseException | tuple[BaseException, Any]) -> str:
+    if isinstance(error, tuple):  # DCP keeps (exception, traceback) per rank
+        error = error[0]
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    return f"{type(error).__name__}: {error}"
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
