@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from dream_trainer.checkpoint import CheckpointError, export_checkpoint
 from dream_trainer.checkpoint.layout import complete_checkpoints, step_dirs
