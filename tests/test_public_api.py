@@ -20,8 +20,11 @@ SNAPSHOT = {
                              "LoggerMixin", "SetupConfigMixin", "SetupMixin",
                              "WandBLoggerConfigMixin", "WandBLoggerMixin"],
     "dream_trainer.checkpoint": ["CheckpointError", "CheckpointInfo", "export_checkpoint"],
-    "dream_trainer.callbacks": ["HOOK_NAMES", "Callback", "CallbackCollection",
-                                "RankZeroCallback", "TrainerHooks"],
+    "dream_trainer.callbacks": ["EMA", "HOOK_NAMES", "Callback", "CallbackCollection",
+                                "EarlyStopping", "GarbageCollection", "HangWatchdog",
+                                "LRMonitor", "ModelSummary", "NanGuard", "Profiler",
+                                "ProgressBar", "RankZeroCallback", "Throughput",
+                                "TrainerHooks", "TrainerSummary"],
     "dream_trainer.world": ["DistributedWorld", "LaunchEnvironment", "MeshAxis",
                             "MeshMismatchError", "ParallelDims"],
 }

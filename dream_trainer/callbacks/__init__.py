@@ -1,7 +1,20 @@
-"""Callbacks: user code attached to the trainer's lifecycle hooks."""
+"""Callbacks: user code attached to the trainer's lifecycle hooks, and the standard set."""
 
 from dream_trainer.callbacks.callback import Callback, RankZeroCallback
 from dream_trainer.callbacks.collection import CallbackCollection
+from dream_trainer.callbacks.early_stopping import EarlyStopping
+from dream_trainer.callbacks.ema import EMA
+from dream_trainer.callbacks.garbage_collection import GarbageCollection
+from dream_trainer.callbacks.hang_watchdog import HangWatchdog
 from dream_trainer.callbacks.hooks import HOOK_NAMES, TrainerHooks
+from dream_trainer.callbacks.lr_monitor import LRMonitor
+from dream_trainer.callbacks.nan_guard import NanGuard
+from dream_trainer.callbacks.profiler import Profiler
+from dream_trainer.callbacks.progress_bar import ProgressBar
+from dream_trainer.callbacks.summaries import ModelSummary, TrainerSummary
+from dream_trainer.callbacks.throughput import Throughput
 
-__all__ = ["HOOK_NAMES", "Callback", "CallbackCollection", "RankZeroCallback", "TrainerHooks"]
+__all__ = ["EMA", "HOOK_NAMES", "Callback", "CallbackCollection", "EarlyStopping",
+           "GarbageCollection", "HangWatchdog", "LRMonitor", "ModelSummary", "NanGuard",
+           "Profiler", "ProgressBar", "RankZeroCallback", "Throughput", "TrainerHooks",
+           "TrainerSummary"]

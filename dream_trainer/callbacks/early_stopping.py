@@ -10,7 +10,7 @@ from typing_extensions import override
 
 from dream_trainer.callbacks.callback import Callback
 from dream_trainer.parallel.materialize import any_rank_failed
-from dream_trainer.trainer.abstract import StopTraining
+from dream_trainer.errors import StopTraining
 
 logger = logging.getLogger(__name__)
 

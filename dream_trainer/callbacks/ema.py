@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from dream_trainer.callbacks.callback import Callback
 
@@ -59,15 +60,18 @@ class EMA(Callback):
         self._tracking = False
 
     # -- hooks -----------------------------------------------------------------------------
+    @override
     def pre_setup(self) -> None:
         # A new fit() builds new parameters: averages of the old ones no longer apply.
         self._params, self._shadows, self._keys_by_optimizer = {}, {}, {}
         self.num_updates = 0
         self._setup_begun, self._tracking = True, False
 
+    @override
     def post_setup(self) -> None:
         self._ensure_tracking()
 
+    @override
     def post_optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         # Updating here rather than in post_train_batch puts this step in the average before
         # the checkpoint mixin saves at this step (its post_train_batch runs before ours).
@@ -82,21 +86,25 @@ class EMA(Callback):
                                  [_local(self._params[key]) for key in keys], 1.0 - self.decay)
         self.num_updates += 1
 
+    @override
     def pre_val_epoch(self) -> None:
         self._reshard()
-        params = [_local(param) for param in self._params.values()]
         with torch.no_grad():
+            params = [_local(param) for param in self._params.values()]
             self._backup = [param.clone() for param in params]
             torch._foreach_copy_(params, [_local(shadow) for shadow in self._shadows.values()])
 
+    @override
     def post_val_epoch(self, result: dict[str, Any]) -> None:
         self._restore()
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         # A failure during validation must not leave the averages in place of the weights.
         self._restore()
 
     # -- state -----------------------------------------------------------------------------
+    @override
     def state_dict(self) -> dict[str, Any]:
         """The averages by ``"<model>.<parameter name>"`` and ``"num_updates"``.
 
@@ -110,6 +118,7 @@ class EMA(Callback):
             return dict(self._pending)
         return {NUM_UPDATES: self.num_updates, **self._shadows}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy saved averages into this run's; before setup, keep them until it.
 
@@ -171,7 +180,6 @@ class EMA(Callback):
         # FSDP2 keeps the root module's parameters gathered after a forward pass without
         # backward (validation), and the next forward reuses them instead of gathering again:
         # after the sharded weights are swapped, the gathered copies would be stale.
-        return
         for model in self.trainer.named_models().values():
             for module in model.modules():
                 if isinstance(module, FSDPModule):

@@ -42,7 +42,6 @@ class HangWatchdog(Callback):
         self._last_progress: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._fit_thread_id: int | None = None
 
     @property
     def watching(self) -> bool:
@@ -53,7 +52,6 @@ class HangWatchdog(Callback):
     @override
     def pre_fit(self) -> None:
         self._halt()
-        self._fit_thread_id = threading.get_ident()
         # A fresh event per thread: a thread left over from an earlier fit() cannot revive.
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(self._stop,),
@@ -95,24 +93,8 @@ class HangWatchdog(Callback):
             if last is None:
                 continue
             stuck = time.monotonic() - last
-            if stuck <= self.timeout:
-                continue
-            # StopTraining ends fit() without post_fit or on_exception, so the watchdog is
-            # never told; a process that has moved on past fit() is not hung.
-            if not self._fit_is_running():
-                return
-            self._abort(stuck)
-
-    def _fit_is_running(self) -> bool:
-        """Whether the thread that called ``pre_fit`` is still inside this trainer's ``fit()``."""
-        if self._fit_thread_id is None:
-            return False
-        frame = sys._current_frames().get(self._fit_thread_id)
-        while frame is not None:
-            if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is self.trainer:
-                return True
-            frame = frame.f_back
-        return False
+            if stuck > self.timeout:
+                self._abort(stuck)
 
     def _abort(self, stuck: float) -> NoReturn:
         """Report the hang on stderr and end the process with exit code 1."""

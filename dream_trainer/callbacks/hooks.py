@@ -14,7 +14,8 @@
             pre_train_batch
             [pre_optimizer_step, post_optimizer_step: inside step(), once per optimizer step]
             post_train_batch
-            [validation here instead of after the epoch when val_every_n_steps is set]
+            [end of an optimizer step: the trainer's end_of_step(), e.g. checkpoints; then
+             validation here instead of after the epoch when val_every_n_steps is set]
         post_train_epoch
         pre_val_epoch, pre_val_batch/post_val_batch..., post_val_epoch
         post_epoch
@@ -66,10 +67,14 @@ class TrainerHooks:
         """Once per micro-batch, with what ``training_step`` returned."""
 
     def pre_optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Once per ``step()`` call (per optimizer step, not per micro-batch), before clipping."""
+        """Once per ``step()`` call (per optimizer step, not per micro-batch), before clipping.
+
+        ``global_step`` does not count this step yet: it grows after ``training_step``.
+        """
 
     def post_optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Once per ``step()`` call, after the optimizer and scheduler stepped."""
+        """Once per ``step()`` call, after the optimizer and scheduler stepped (``global_step``
+        still excludes this step)."""
 
     def post_train_epoch(self, result: dict[str, Any]) -> None:
         """Once per epoch, with the epoch's training results averaged over batches and ranks."""
@@ -90,7 +95,8 @@ class TrainerHooks:
         """Once per epoch, after training and validation."""
 
     def post_fit(self) -> None:
-        """Once, after the last epoch (also when ``max_steps`` ends training early)."""
+        """Once, after the last epoch, also when ``max_steps`` or ``StopTraining`` (early
+        stopping, preemption) ends training early."""
 
     def on_exception(self, exception: BaseException) -> None:
         """When ``fit()`` raises, before the process group is torn down."""

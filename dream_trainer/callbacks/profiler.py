@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 from typing_extensions import override
 

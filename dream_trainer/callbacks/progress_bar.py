@@ -9,13 +9,13 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 from typing_extensions import override
 
 from dream_trainer.callbacks.callback import RankZeroCallback
 
 if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
     from dream_trainer.configs.training import TrainingParameters
     from dream_trainer.trainer.base import BaseTrainer
 
@@ -59,8 +59,8 @@ class ProgressBar(RankZeroCallback):
     def __init__(self, refresh_every_n_steps: int = 1, smoothing: float = 0.1,
                  stream: TextIO | None = None) -> None:
         if refresh_every_n_steps < 1:
-            raise ValueError(
-                f"ProgressBar refresh_every_n_steps must be at least 1, got {refresh_every_n_steps}")
+            raise ValueError("ProgressBar refresh_every_n_steps must be at least 1, got "
+                             f"{refresh_every_n_steps}")
         if not 0 < smoothing <= 1:
             raise ValueError(f"ProgressBar smoothing must be in (0, 1], got {smoothing}: it is "
                              "the weight of the newest step (1 means no smoothing)")
@@ -68,8 +68,8 @@ class ProgressBar(RankZeroCallback):
         self.smoothing = smoothing
         self._stream = stream
         self._progress: Progress | None = None
-        self._epoch_task = TaskID(0)
-        self._run_task = TaskID(0)
+        self._epoch_task: TaskID
+        self._run_task: TaskID
         self._total_steps = 0
         self._total_epochs = 0
         self._steps_per_epoch = 0
@@ -93,7 +93,7 @@ class ProgressBar(RankZeroCallback):
     # -- hooks ---------------------------------------------------------------------------------
     @override
     def pre_fit(self) -> None:
-        self._stop_live()
+        self._stop_live()  # a display left by a fit() that failed in a hook of ours
         params = self.trainer.training_parameters
         self._steps_per_epoch = self.trainer._train_steps_per_epoch
         self._total_steps = planned_optimizer_steps(params, self._steps_per_epoch)
@@ -111,7 +111,8 @@ class ProgressBar(RankZeroCallback):
         # A resumed run may start mid-epoch: every earlier epoch ran steps_per_epoch steps.
         self._epoch_start_step = min(epoch * self._steps_per_epoch, self.trainer.global_step)
         if self._progress is not None:
-            epoch_steps = min(self._steps_per_epoch, self._total_steps - epoch * self._steps_per_epoch)
+            epoch_steps = min(self._steps_per_epoch,
+                              self._total_steps - epoch * self._steps_per_epoch)
             self._progress.reset(self._epoch_task, total=epoch_steps,
                                  completed=self.trainer.global_step - self._epoch_start_step,
                                  description=f"epoch {epoch + 1}/{self._total_epochs}")
@@ -204,6 +205,10 @@ class ProgressBar(RankZeroCallback):
             print(line, file=self.stream, flush=True)
 
     def _start_live(self) -> None:
+        # Imported here: `import dream_trainer.callbacks` must not load rich's live display.
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
         # The display refreshes only when a step asks it to, never from a background thread,
         # so refresh_every_n_steps bounds the rendering and host-sync cost.
         self._progress = Progress(

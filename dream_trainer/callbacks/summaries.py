@@ -6,8 +6,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
-from rich.console import Console
-from rich.table import Table
 from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
@@ -16,11 +14,16 @@ from dream_trainer.callbacks.callback import RankZeroCallback
 from dream_trainer.callbacks.progress_bar import planned_optimizer_steps
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from dream_trainer.trainer.base import BaseTrainer
 
 
 def _console(stream: TextIO | None) -> Console:
     """A console on ``stream``: the terminal's own settings, or plain text 100 columns wide."""
+    # Imported here, as is rich's Table: `import dream_trainer.callbacks` must stay light.
+    from rich.console import Console
+
     if stream is None:
         return Console()
     if stream.isatty():
@@ -88,11 +91,15 @@ class ModelSummary(RankZeroCallback):
         self.total_params = sum(row.params for row in roots)
         self.trainable_params = sum(row.trainable for row in roots)
         self.frozen_params = sum(row.frozen for row in roots)
+        from rich.table import Table
+
         console = _console(self.stream)
         for root in roots:
             table = Table(title=f"{root.name} ({root.type})")
-            for column in ("Module", "Type", "Params", "Trainable", "Frozen"):
-                table.add_column(column, justify="left" if column in ("Module", "Type") else "right")
+            for column in ("Module", "Type"):
+                table.add_column(column)
+            for column in ("Params", "Trainable", "Frozen"):
+                table.add_column(column, justify="right")
             for row in self.rows:
                 if row.name == root.name or row.name.startswith(f"{root.name}."):
                     table.add_row("  " * row.depth + row.name, row.type, f"{row.params:,}",
@@ -110,8 +117,8 @@ class ModelSummary(RankZeroCallback):
         console = _console(self.stream)
         ranks = self.trainer.world.world_size
         for name, size in self.local_bytes.items():
-            console.print(f"{name}: {size / 1e6:.2f} MB of parameters on rank 0 "
-                          f"(world size {ranks})", markup=False, highlight=False)
+            console.print(f"{name}: {size / 1e6:.2f} MB ({size:,} bytes) of parameters on "
+                          f"rank 0 (world size {ranks})", markup=False, highlight=False)
 
 
 def _row(name: str, module: nn.Module, depth: int) -> ModuleRow:
@@ -167,6 +174,8 @@ class TrainerSummary(RankZeroCallback):
             "param_dtype": str(device.param_dtype).removeprefix("torch."),
             "reduce_dtype": str(device.reduce_dtype).removeprefix("torch."),
         }
+        from rich.table import Table
+
         table = Table(title="Trainer")
         table.add_column("Setting")
         table.add_column("Value", justify="right")

@@ -20,23 +20,15 @@ TOKEN_KEYS = ("tokens", "input_ids")
 
 
 class Throughput(RankZeroCallback):
-    """Measure the wall time of each optimizer step and derive the run's speed from it.
+    """Time each optimizer step on rank 0; keep step time, samples/s, tokens/s and MFU.
 
-    A step lasts from the end of the previous one (or the start of the training epoch, or the
-    end of a validation pass, so validation is never counted) to the end of its last
-    micro-batch. Over the last ``window`` steps, on global rank 0, ``latest`` holds:
-
-    - ``throughput/step_time``: mean seconds per optimizer step;
-    - ``throughput/samples_per_second``: over every data-parallel rank, counting
-      ``train_batch_size * gradient_accumulation_steps * dp_size`` samples per step;
-    - ``throughput/tokens_per_second``: when ``tokens_per_sample`` is given, or a dict batch
-      has a ``"tokens"`` or ``"input_ids"`` tensor (its ``numel()``, padding included, times
-      ``dp_size``: every data-parallel rank is assumed to read batches of the same shape);
-    - ``throughput/mfu``: ``flops_per_sample * samples_per_second / (peak_flops *
-      world_size)``, when both are given.
-
-    Every ``window`` optimizer steps the values are logged with ``trainer.log_dict(values,
-    step)`` when the trainer has one (a logger mixin).
+    Values are means over the last ``window`` steps, kept in ``latest`` under
+    ``throughput/{step_time,samples_per_second,tokens_per_second,mfu}`` and, every ``window``
+    steps, passed to ``trainer.log_dict(values, step)`` when the trainer has one. Validation
+    and the time between epochs are not counted. Samples are counted over every data-parallel
+    rank; tokens from ``tokens_per_sample``, else from the ``numel()`` of a dict batch's
+    ``"tokens"`` or ``"input_ids"`` tensor times ``dp_size``. MFU is ``flops_per_sample *
+    samples_per_second / (peak_flops * world_size)``, when both are given.
 
     Args:
         flops_per_sample: Training FLOPs per sample (forward and backward, e.g. ``6 * n_params
@@ -101,7 +93,8 @@ class Throughput(RankZeroCallback):
     def _measure(self) -> dict[str, float]:
         params = self.trainer.training_parameters
         world = self.trainer.world
-        samples_per_step = params.train_batch_size * params.gradient_accumulation_steps * world.dp_size
+        samples_per_step = (params.train_batch_size * params.gradient_accumulation_steps
+                            * world.dp_size)
         seconds = sum(self._step_times)
         steps = len(self._step_times)
         samples_per_second = _rate(samples_per_step * steps, seconds)

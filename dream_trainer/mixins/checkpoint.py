@@ -97,10 +97,9 @@ class CheckpointMixin(AbstractTrainer):
             self._restore_rng()
         super().pre_train_epoch()
 
-    def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
-        super().post_train_batch(result, batch_idx)
-        if self.is_accumulating_gradients:
-            return
+    def end_of_step(self) -> None:
+        # After every post_train_batch hook, callbacks' included: their state is current.
+        super().end_of_step()
         if self._preemption_requested():
             path = self.save_checkpoint(asynchronous=False)
             self.preempted = True

@@ -19,8 +19,8 @@ class LoggerMixin(AbstractTrainer):
     """The logging cadence, on global rank 0 only, for any number of backends.
 
     Every ``log_every_n_steps`` optimizer steps the training step's scalar results are logged
-    with ``trainer/global_step``, ``trainer/epoch`` and each optimizer's learning rate
-    (``lr/<optimizer>``); epoch results are logged after each training epoch (as
+    with ``trainer/global_step`` and ``trainer/epoch`` (learning rates come from the
+    ``LRMonitor`` callback, which logs through ``log_dict``); epoch results are logged after each training epoch (as
     ``train_epoch/<key>``) and validation pass (under their own keys). Backends override
     ``start_logging``, ``log_dict``, ``log_config`` and ``finish`` and call ``super()``, so
     several backend mixins on one trainer all receive everything.
@@ -69,8 +69,6 @@ class LoggerMixin(AbstractTrainer):
         values = _scalars(result)
         values["trainer/global_step"] = float(self.global_step)
         values["trainer/epoch"] = float(self.current_epoch)
-        for name, optimizer in self.named_optimizers().items():
-            values[f"lr/{name}"] = float(optimizer.param_groups[0]["lr"])
         self.log_dict(values, self.global_step)
 
     def post_train_epoch(self, result: dict[str, Any]) -> None:

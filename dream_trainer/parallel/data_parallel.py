@@ -26,6 +26,9 @@ class DataParallelBackend(ABC):
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         """Enable or disable gradient synchronisation for ``model``'s next backward."""
 
+    def after_validation(self, model: nn.Module) -> None:
+        """Return ``model`` to its training layout after forward passes without backward."""
+
 
 class NoDataParallel(DataParallelBackend):
     """One data-parallel rank: nothing to synchronise."""
@@ -66,6 +69,13 @@ class FSDPBackend(DataParallelBackend):
         # all-reduce) until the last micro-batch.
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(enabled)
+
+    def after_validation(self, model: nn.Module) -> None:
+        # A forward without backward leaves the root's parameters gathered; anything that
+        # changes the shards before the next forward (EMA, a checkpoint load) would be ignored.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 def backend_for(dims: ParallelDims) -> DataParallelBackend:

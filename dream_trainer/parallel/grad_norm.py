@@ -17,15 +17,16 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -
     its mesh, and the groups combine with any plain gradients, so every rank gets the norm of
     the full gradient however the parameters are split.
     """
+    params = list(parameters)
     groups: dict[Hashable, list[nn.Parameter]] = {}
-    for param in parameters:
+    for param in params:
         grad = param.grad
         if grad is None:
             continue
         key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
         groups.setdefault(key, []).append(param)
     if not groups:
-        return torch.zeros(())
+        return torch.zeros((), device=params[0].device if params else None)
     norms = []
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)

@@ -15,7 +15,10 @@ from dream_trainer.callbacks.collection import CallbackCollection
 from dream_trainer.callbacks.hooks import TrainerHooks
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.device import DeviceParameters
+from dream_trainer.errors import StopTraining
 from dream_trainer.world.world import DistributedWorld
+
+__all__ = ["AbstractTrainer", "AbstractTrainerConfig", "StopTraining"]
 
 
 class AbstractTrainerConfig(ConfigModel):
@@ -34,13 +37,6 @@ class AbstractTrainerConfig(ConfigModel):
     """Seed for python, numpy and torch on every rank; ``None`` leaves them unseeded."""
     device_parameters: DeviceParameters = Field(default_factory=DeviceParameters)
     """Mesh, precision and device; by default data parallel over every launched rank."""
-
-
-class StopTraining(Exception):
-    """Raise from a hook to end ``fit()`` cleanly at that point (every rank must raise it).
-
-    ``fit()`` returns normally and tears the process group down; ``post_fit`` does not fire.
-    """
 
 
 class AbstractTrainer(TrainerHooks, ABC):
@@ -77,6 +73,12 @@ class AbstractTrainer(TrainerHooks, ABC):
     @abstractmethod
     def setup(self) -> None:
         """Parallelize and materialize models; create optimizers, schedulers and loaders."""
+
+    def end_of_step(self) -> None:
+        """After every hook of an optimizer step's last micro-batch has run (callbacks'
+        ``post_train_batch`` included): where state that must reflect the whole step, such as
+        a checkpoint, is taken. Overrides call ``super().end_of_step()``.
+        """
 
     def teardown(self) -> None:
         """Release what holds the process group, before ``fit()`` destroys it (always runs).

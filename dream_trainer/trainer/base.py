@@ -91,6 +91,7 @@ class BaseTrainer(AbstractTrainer):
             completed = True
         except StopTraining as stop:
             logger.warning("training stopped at global step %d: %s", self.global_step, stop)
+            self._fire("post_fit")  # an early end is still the end: hooks release resources
             completed = True
         except BaseException as exc:
             self._report_failure(exc)
@@ -213,6 +214,7 @@ class BaseTrainer(AbstractTrainer):
 
     def _after_optimizer_step(self) -> bool:
         """Run what follows an optimizer step; return True to end the epoch early."""
+        self.end_of_step()
         if self.global_step == 1:
             self.world.set_timeout(self.config.device_parameters.train_timeout)
         every = self.training_parameters.val_every_n_steps
@@ -329,6 +331,8 @@ class BaseTrainer(AbstractTrainer):
                 averager.update(result)
                 self._fire("post_val_batch", result, batch_idx)
         result = averager.compute()
+        for model in self.named_models().values():
+            self.data_parallel.after_validation(model)
         self._fire("post_val_epoch", result)
         return result
 

@@ -34,14 +34,16 @@ class GcProbe(Callback):
 
 
 class CollectLog:
-    """Stands in for ``gc.collect``: records ``(trainer.global_step, generation)``."""
+    """Stands in for ``gc.collect``: records ``(trainer.global_step, generation)`` of the calls
+    made while automatic collection is off (the trainer's teardown collects too, after)."""
 
     def __init__(self, trainer: ToyTrainer) -> None:
         self.trainer = trainer
         self.calls: list[tuple[int, int]] = []
 
     def __call__(self, generation: int = 2) -> int:
-        self.calls.append((self.trainer.global_step, generation))
+        if not gc.isenabled():
+            self.calls.append((self.trainer.global_step, generation))
         return 0
 
 
@@ -96,8 +98,6 @@ class StopAfterFirstEpoch(Callback):
         raise StopTraining("enough")
 
 
-@pytest.mark.xfail(strict=True, reason="BaseTrainer.fit() fires neither post_fit nor "
-                                       "on_exception when a hook raises StopTraining")
 def test_gc_is_on_again_after_stop_training() -> None:
     ToyTrainer(toy_config(callbacks=[GarbageCollection(), StopAfterFirstEpoch()],
                           n_epochs=3)).fit()

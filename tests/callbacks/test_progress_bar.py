@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import subprocess
 import sys
 import textwrap
 import time
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from dream_trainer.callbacks import Callback
 from dream_trainer.callbacks.progress_bar import ProgressBar
-from tests.helpers.launch import check, torchrun
+from tests.helpers.launch import REPO, check, child_env, torchrun
 from tests.helpers.toy import ToyTrainer, toy_config
 
 
@@ -128,6 +129,14 @@ def test_results_without_a_loss_show_speed_only(monkeypatch: pytest.MonkeyPatch)
 def test_invalid_settings_are_rejected(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         ProgressBar(**kwargs)
+
+
+def test_importing_the_display_callbacks_loads_no_rich() -> None:
+    code = ("import sys, dream_trainer.callbacks.progress_bar, dream_trainer.callbacks.summaries\n"
+            "print(sorted(name for name in sys.modules if name.startswith('rich')))")
+    result = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=REPO,
+                            capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 class FakeTerminal(io.StringIO):

@@ -63,7 +63,8 @@ def test_model_tables_render_as_plain_text() -> None:
     assert "\x1b" not in output and max(map(len, output.splitlines())) <= 100
     assert "model (Sequential)" in output and "head (Linear)" in output
     row = next(line for line in output.splitlines() if "model.0 " in line)
-    assert row.split("│")[2:6] == [" Linear ", "    144 ", "         0 ", "    144 "]
+    assert [cell.strip() for cell in row.split("│")[1:6]] == ["model.0", "Linear", "144", "0",
+                                                              "144"]
     assert "Total params: 222 (trainable 78, frozen 144)" in output
     assert "model: 0.00 MB (848 bytes) of parameters on rank 0 (world size 1)" in output
 

@@ -61,7 +61,7 @@ def checkpointed_config(root: Path, device_parameters: DeviceParameters | None =
 class Killer(Callback):
     """Signals this process at the given points, each only once per marker directory.
 
-    Points: ``step:N`` (after optimizer step N and any checkpoint at it), ``epoch_end:E``
+    Points: ``step:N`` (after optimizer step N, before any checkpoint at it), ``epoch_end:E``
     (after epoch E's end-of-epoch checkpoint), ``val:E`` (during epoch E's validation).
     """
 

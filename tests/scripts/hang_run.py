@@ -11,6 +11,7 @@ past the timeout. It must print "survived" and exit 0.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -24,19 +25,21 @@ from tests.helpers.toy import ToyTrainer, toy_config
 class HangsOnRankOne(ToyTrainer):
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         if self.world.rank == 1 and self.global_step == 2:
+            print(f"rank 1 hangs from {time.time():.3f}", flush=True)
             time.sleep(3600)
         return super().training_step(batch, batch_idx)
 
 
 class SlowButProgressing(ToyTrainer):
-    TIMEOUT = 1.0
+    # Generous against a loaded machine: a step is 1/8 of the timeout.
+    TIMEOUT = 2.0
 
     def configure_models(self) -> None:
-        time.sleep(2 * self.TIMEOUT)  # before the watchdog arms: not timed
+        time.sleep(1.5 * self.TIMEOUT)  # before the watchdog arms: not timed
         super().configure_models()
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        time.sleep(self.TIMEOUT / 4)
+        time.sleep(self.TIMEOUT / 8)
         return super().training_step(batch, batch_idx)
 
 
@@ -46,10 +49,8 @@ class StopAfterFirstEpoch(Callback):
 
 
 def hang() -> None:
-    trainer = HangsOnRankOne(toy_config(n_epochs=5, n_samples=160))
-    trainer.callbacks.append(HangWatchdog(timeout=3.0 + 2.0 * trainer.world.rank))
-    trainer.callbacks.attach(trainer)
-    trainer.fit()
+    watchdog = HangWatchdog(timeout=3.0 + 2.0 * int(os.environ["RANK"]))
+    HangsOnRankOne(toy_config(callbacks=[watchdog], n_epochs=5, n_samples=160)).fit()
     print("finished without hanging")
 
 
@@ -58,7 +59,7 @@ def progress() -> None:
     trainer = SlowButProgressing(toy_config(callbacks=[watchdog, StopAfterFirstEpoch()],
                                             n_epochs=3, n_samples=64))
     trainer.fit()
-    time.sleep(3 * SlowButProgressing.TIMEOUT)
+    time.sleep(2 * SlowButProgressing.TIMEOUT)
     print(f"survived; watching={watchdog.watching}")
 
 
