@@ -95,6 +95,21 @@ def init_results_group(name: str) -> None:
                             world_size=world_size)
 
 
+def save_on_rank_zero(result: object, out: str | Path, name: str) -> None:
+    """Save ``result`` from rank 0 after the trainers' groups are gone (or in a plain run)."""
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        torch.save(result, out)
+        return
+    init_results_group(name)
+    if dist.get_rank() == 0:
+        torch.save(result, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def check(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
     """Fail with the child's output when it exited non-zero."""
     if result.returncode != 0:

@@ -6,13 +6,11 @@ Usage: ema_run.py OUT CHECKPOINT_ROOT single|fsdp
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
@@ -20,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dream_trainer.callbacks.ema import EMA
 from dream_trainer.configs import CheckpointParameters, DeviceParameters, TrainingParameters
 from dream_trainer.mixins import CheckpointConfigMixin, CheckpointMixin
-from tests.helpers.launch import init_results_group
+from tests.helpers.launch import save_on_rank_zero
 from tests.helpers.transformer import SEQ, VOCAB, TransformerConfig, TransformerTrainer
 
 GLOBAL_BATCH = 8
@@ -89,15 +87,7 @@ def run(mode: str, root: Path) -> dict[str, Any]:
 
 
 def main(out: str, root: str, mode: str) -> None:
-    result = run(mode, Path(root))
-    if "RANK" not in os.environ:
-        torch.save(result, out)
-        return
-    init_results_group("ema_run")
-    if dist.get_rank() == 0:
-        torch.save(result, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_on_rank_zero(run(mode, Path(root)), out, "ema_run")
 
 
 if __name__ == "__main__":

@@ -3,16 +3,14 @@ the full parameters after setup and after training (gathered from every shard)."
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dream_trainer.configs import DeviceParameters
-from tests.helpers.launch import init_results_group
+from tests.helpers.launch import save_on_rank_zero
 from tests.helpers.transformer import TransformerTrainer, transformer_config
 
 GLOBAL_BATCH = 8
@@ -66,15 +64,7 @@ def run(mode: str) -> dict[str, Any]:
 
 
 def main(out: str, modes: list[str]) -> None:
-    results = {mode: run(mode) for mode in modes}
-    if "RANK" not in os.environ:
-        torch.save(results, out)
-        return
-    init_results_group("parallel_modes")
-    if dist.get_rank() == 0:
-        torch.save(results, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_on_rank_zero({mode: run(mode) for mode in modes}, out, "parallel_modes")
 
 
 if __name__ == "__main__":
