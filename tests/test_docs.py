@@ -1,21 +1,21 @@
 """Every fenced Python block in README.md and docs/ runs.
 
-The blocks of one Markdown file run in order, in one fresh interpreter, so a page can define
-a trainer in one block and use it in the next; annotations are not evaluated, so signature
-blocks may name types without importing them. A block preceded by the line
-``<!-- test: torchrun -->`` is self-contained and runs on its own under torchrun with 2 ranks.
+The blocks of one Markdown file run in order in one fresh namespace (in this process, in an
+empty working directory), so a page can define a trainer in one block and use it in the
+next; annotations are not evaluated, so signature blocks may name types without importing
+them. A block preceded by the line ``<!-- test: torchrun -->`` is self-contained and runs on
+its own under torchrun with 2 ranks.
 """
 
 from __future__ import annotations
 
+import __future__
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.launch import REPO, check, child_env, torchrun
+from tests.helpers.launch import REPO, check, torchrun
 
 FENCE = re.compile(r"(?P<marker><!-- test: torchrun -->\s*\n)?^```python[^\n]*\n(?P<code>.*?)^```",
                    re.MULTILINE | re.DOTALL)
@@ -35,26 +35,17 @@ def blocks(path: Path) -> tuple[list[str], list[str]]:
     return inline, distributed
 
 
-RUNNER = """
-import __future__, sys
-namespace = {"__name__": "__main__"}
-for index, (name, code) in enumerate(BLOCKS):
-    compiled = compile(code, f"{name} block {index}", "exec",
-                       flags=__future__.annotations.compiler_flag, dont_inherit=True)
-    exec(compiled, namespace)
-"""
-
-
 @pytest.mark.parametrize("path", markdown_files(), ids=lambda p: str(p.relative_to(REPO)))
-def test_markdown_python_blocks_run(path: Path, tmp_path: Path) -> None:
+def test_markdown_python_blocks_run(path: Path, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
     inline, distributed = blocks(path)
     name = str(path.relative_to(REPO))
-    if inline:
-        script = tmp_path / "page.py"
-        script.write_text(f"BLOCKS = {[(name, code) for code in inline]!r}\n{RUNNER}")
-        result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=child_env(),
-                                capture_output=True, text=True, timeout=300)
-        check(result)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    for index, code in enumerate(inline):
+        compiled = compile(code, f"{name} block {index}", "exec",
+                           flags=__future__.annotations.compiler_flag, dont_inherit=True)
+        exec(compiled, namespace)
     for index, code in enumerate(distributed):
         script = tmp_path / f"torchrun_{index}.py"
         script.write_text(code)
