@@ -104,8 +104,8 @@ class CheckpointMixin(AbstractTrainer):
             path = self.save_checkpoint(asynchronous=False)
             self.preempted = True
             self._preemption.uninstall()
-            raise StopTraining(f"preempted by {self._preemption.signal or 'a signal on another rank'}"
-                               f"; checkpoint saved to {path}")
+            by = self._preemption.signal.name if self._preemption.signal else "a signal on another rank"
+            raise StopTraining(f"preempted by {by}; checkpoint saved to {path}")
         every = self.checkpoint_parameters.every_n_steps
         if every is not None and self.global_step % every == 0:
             self.save_checkpoint()
@@ -272,6 +272,15 @@ class CheckpointMixin(AbstractTrainer):
     def _resume(self) -> None:
         params = self.checkpoint_parameters
         if params.resume is None:
+            earlier = complete_checkpoints(self.checkpoint_dir)
+            if earlier:
+                # Mixing two runs' checkpoints in one directory would let retention delete
+                # the new run's and make resume="latest" pick the old run's.
+                raise CheckpointError(
+                    f"{self.checkpoint_dir} already holds checkpoints of an earlier run (up to "
+                    f"step {earlier[-1].step}) and resume=None starts a new one: set "
+                    "resume='latest' to continue it, or use another experiment name or root_dir"
+                )
             return
         if params.resume == "latest":
             infos = complete_checkpoints(self.checkpoint_dir, warn=self.world.is_rank_zero)

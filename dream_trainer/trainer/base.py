@@ -97,8 +97,10 @@ class BaseTrainer(AbstractTrainer):
             self._report_failure(exc)
             raise
         finally:
-            self.teardown()
-            self.world.shutdown(graceful=completed)
+            try:
+                self.teardown()
+            finally:
+                self.world.shutdown(graceful=completed)
 
     def _launch(self) -> None:
         self._fire("pre_launch")
@@ -135,14 +137,17 @@ class BaseTrainer(AbstractTrainer):
 
     def _run_epoch(self) -> None:
         self._fire("pre_epoch")
-        self._train_epoch()
+        complete = self._train_epoch()
         if self.val_dataloader is not None and self.training_parameters.val_every_n_steps is None:
             self._validation_epoch(self.training_parameters.val_steps_per_epoch)
-        self._epoch_done = True
+        # An epoch cut short by max_steps stays current, so a resume with a larger budget
+        # finishes its remaining batches.
+        self._epoch_done = complete
         self._fire("post_epoch")
-        self.current_epoch += 1
-        self._epoch_done = False
-        self._batches_done = 0
+        if complete:
+            self.current_epoch += 1
+            self._epoch_done = False
+            self._batches_done = 0
 
     # -- training ------------------------------------------------------------------------------
     @property
@@ -158,7 +163,8 @@ class BaseTrainer(AbstractTrainer):
         accumulation = self.training_parameters.gradient_accumulation_steps
         return self.training and (self._batch_idx + 1) % accumulation != 0
 
-    def _train_epoch(self) -> None:
+    def _train_epoch(self) -> bool:
+        """Train one epoch; return False when ``max_steps`` cut it short."""
         self._set_train_mode(True)
         set_sampler_epoch(self.train_dataloader, self.current_epoch)
         start, self._start_batch = self._start_batch, 0
@@ -188,6 +194,7 @@ class BaseTrainer(AbstractTrainer):
             self._drop_partial_window()
         self._set_train_mode(False)
         self._fire("post_train_epoch", averager.compute())
+        return self._batches_done >= n_batches or not self._max_steps_reached()
 
     @property
     def _samples_per_batch(self) -> int:

@@ -173,3 +173,21 @@ def test_resume_logs_how_the_config_changed(tmp_path: Path,
     assert "lr: 0.01 -> 0.5" in caplog.text
     assert "training_parameters.n_epochs: 1 -> 2" in caplog.text
     assert "checkpoint_parameters.resume: None -> 'latest'" in caplog.text
+
+
+def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(
+        tmp_path: Path) -> None:
+    train(tmp_path, epochs=2, resume=None)
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints of an earlier run "
+                                              r"\(up to step 20\).*resume='latest'"):
+        train(tmp_path, epochs=1, keep_top_k=1, resume=None)
+    assert max(info.step for info in complete_checkpoints(checkpoints(tmp_path))) == 20
+
+
+def test_a_resume_after_max_steps_finishes_the_interrupted_epoch(tmp_path: Path) -> None:
+    first = CheckpointedTrainer(checkpointed_config(tmp_path, resume=None).model_copy(
+        update={"training_parameters": checkpointed_config(tmp_path).training_parameters
+                .model_copy(update={"n_epochs": 1, "max_steps": 6})}))
+    first.fit()
+    resumed = train(tmp_path, epochs=1, resume="latest")
+    assert (first.global_step, resumed.global_step) == (6, 10)

@@ -28,7 +28,8 @@ def test_json_logger_writes_steps_epochs_and_validation(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
     step_rows = [row for row in rows if "trainer/global_step" in row]
     assert [row["step"] for row in step_rows] == [4, 8]
-    assert {"loss", "grad_norm", "trainer/epoch", "lr/optimizer"} <= set(step_rows[0])
+    assert {"loss", "grad_norm", "trainer/epoch"} <= set(step_rows[0])
+    assert not any(key.startswith("lr/") for key in step_rows[0])  # LRMonitor's job
     assert any("train_epoch/loss" in row for row in rows)
     # Epoch-end validation, and the evaluate() call in the test trainer's post_fit.
     validation = [row for row in rows if "errors/mse" in row]

@@ -45,9 +45,11 @@ def test_train_steps_per_epoch_limits_each_epoch() -> None:
 
 def test_max_steps_stops_mid_epoch_and_skips_later_epochs() -> None:
     trainer, tally = run(n_epochs=5, n_samples=160, max_steps=25)
-    assert (trainer.global_step, trainer.current_epoch) == (25, 2)
-    # The interrupted epoch still finishes its bookkeeping and validates.
+    # The interrupted epoch still finishes its bookkeeping and validates, but stays current:
+    # a resume with a larger budget goes on with its remaining batches.
+    assert (trainer.global_step, trainer.current_epoch) == (25, 1)
     assert len(tally.train_results) == 2 and [s for s, _ in tally.val_epochs] == [20, 25]
+    assert (trainer.state_dict()["current_epoch"], trainer.state_dict()["batch_in_epoch"]) == (1, 5)
 
 
 def test_val_every_n_steps_replaces_the_epoch_end_validation() -> None:
