@@ -1,8 +1,11 @@
-"""Parallelism backends and the helpers that make them numerically transparent."""
+"""Parallelism helpers for users writing their own setup hooks.
 
-from dream_trainer.parallel.data_parallel import (DataParallelBackend, DDPBackend,
-                                                  FSDPBackend, NoDataParallel, backend_for)
+The data-parallel backends (``data_parallel``) and mixed-precision handling (``precision``)
+are the trainer's own mechanisms, reached through ``DeviceParameters`` and ``SetupMixin``.
+"""
+
+from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.grad_norm import clip_grad_norm
+from dream_trainer.parallel.materialize import FullTensorInit
 
-__all__ = ["DDPBackend", "DataParallelBackend", "FSDPBackend", "NoDataParallel", "backend_for",
-           "clip_grad_norm"]
+__all__ = ["FullTensorInit", "clip_grad_norm", "find_blocks"]
