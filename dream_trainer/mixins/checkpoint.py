@@ -283,11 +283,10 @@ class CheckpointMixin(AbstractTrainer):
                 )
             return
         if params.resume == "latest":
-            infos = complete_checkpoints(self.checkpoint_dir, warn=self.world.is_rank_zero)
-            if not infos:
+            path = self._latest_intact()
+            if path is None:
                 logger.info("no complete checkpoint in %s: starting fresh", self.checkpoint_dir)
                 return
-            path = infos[-1].path
         else:
             path = Path(params.resume)
             if not path.is_dir():
@@ -297,6 +296,18 @@ class CheckpointMixin(AbstractTrainer):
                 raise CheckpointError(f"{path} is not a complete checkpoint: it has no "
                                       ".metadata, so its save never finished")
         self.load_checkpoint(path, weights_only=params.load_weights_only)
+
+    def _latest_intact(self) -> Path | None:
+        """The newest checkpoint that is complete and whose files are all there, whole."""
+        for info in reversed(complete_checkpoints(self.checkpoint_dir,
+                                                  warn=self.world.is_rank_zero)):
+            try:
+                verify_files(info.path, dcp.FileSystemReader(str(info.path)).read_metadata())
+            except Exception as exc:  # a damaged .metadata raises anything unpickling does
+                logger.warning("skipping %s: %s", info.path, exc)
+                continue
+            return info.path
+        return None
 
     def load_checkpoint(self, path: str | Path, weights_only: bool = False) -> None:
         """Load a checkpoint written by any number of ranks (collective).

@@ -21,7 +21,8 @@ from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainer, AbstractTrainerConfig, StopTraining
 from dream_trainer.utils.averaging import ResultAverager
 from dream_trainer.utils.batch import move_to_device
-from dream_trainer.utils.dataloader import epoch_batches, has_resumable_sampler, set_sampler_epoch
+from dream_trainer.utils.dataloader import (epoch_batches, has_resumable_sampler,
+                                            numbered_batches, set_sampler_epoch)
 from dream_trainer.world.world import DistributedWorld
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class BaseTrainer(AbstractTrainer):
         batches = epoch_batches(self.train_dataloader, start, n_batches, self._samples_per_batch)
         self._fire("pre_train_epoch")
         averager = ResultAverager(self.world.device)
-        for batch_idx, batch in enumerate(batches, start=start):
+        for batch_idx, batch in numbered_batches(batches, start, "train"):
             self._train_batch(batch, batch_idx, averager)
             if not self.is_accumulating_gradients and self._after_optimizer_step():
                 break
@@ -329,7 +330,8 @@ class BaseTrainer(AbstractTrainer):
         self._fire("pre_val_epoch")
         averager = ResultAverager(self.world.device)
         with torch.no_grad():
-            for batch_idx, batch in enumerate(itertools.islice(loader, max_batches)):
+            for batch_idx, batch in numbered_batches(itertools.islice(loader, max_batches), 0,
+                                              "validation"):
                 batch = move_to_device(batch, self.world.device)
                 self._fire("pre_val_batch", batch, batch_idx)
                 with self.precision.autocast():

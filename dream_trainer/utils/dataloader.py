@@ -159,3 +159,21 @@ def set_sampler_epoch(loader: Iterable[Any], epoch: int) -> None:
 
 def has_resumable_sampler(loader: Iterable[Any]) -> bool:
     return isinstance(getattr(loader, "sampler", None), ResumableSampler)
+
+
+def numbered_batches(batches: Iterable[Any], start: int, kind: str) -> Iterator[tuple[int, Any]]:
+    """``enumerate`` from ``start`` that names the batch a failing loader was producing."""
+    iterator = iter(batches)
+    index = start
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except Exception as exc:
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"dream_trainer: raised by the {kind} dataloader while loading "
+                             f"batch {index}")
+            raise
+        yield index, batch
+        index += 1

@@ -107,3 +107,18 @@ def test_real_disk_full(small_disk: Path) -> None:
     assert [c.step for c in complete] == [4]
     export = small_disk.parent / "export"
     assert set(export_checkpoint(complete[0].path, export)) == {"model"}
+
+
+def test_latest_skips_a_checkpoint_with_a_truncated_shard(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="dream_trainer")
+    CheckpointedTrainer(checkpointed_config(tmp_path, resume=None)).fit()
+    shard = tmp_path / STEPS / "step_30" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:64])
+    resumed = CheckpointedTrainer(checkpointed_config(tmp_path, resume="latest"))
+    resumed.fit()
+    assert "skipping" in caplog.text and "__0_0.distcp is truncated" in caplog.text
+    assert f"resumed from {tmp_path / STEPS / 'step_28'}" in caplog.text
+    assert resumed.global_step == 30
