@@ -133,12 +133,13 @@ def measure(kind: str = "mlp", steps: int = 300, trials: int = 5) -> dict[str, A
               "device_parameters": DeviceParameters.SINGLE_DEVICE(),
               "training_parameters": TrainingParameters(n_epochs=1, train_batch_size=BATCH)}
     with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(trials):
+        for trial_index in range(trials):
             hand_times, hand_model = hand_written(kind, steps)
             base_times, base_model = run_trainer(BaseBench, BenchConfig(**common))
             dream_times, _ = run_trainer(DreamBench, DreamConfig(
-                **common, checkpoint_parameters=CheckpointParameters(root_dir=Path(tmp)),
-                logging_parameters=LoggingParameters(log_dir=Path(tmp))))
+                **common,
+                checkpoint_parameters=CheckpointParameters(root_dir=Path(tmp) / str(trial_index)),
+                logging_parameters=LoggingParameters(log_dir=Path(tmp) / str(trial_index))))
             identical &= all(torch.equal(a, b) for a, b in zip(hand_model.state_dict().values(),
                                                                base_model.state_dict().values()))
             trial = {name: statistics.median(times[WARMUP:]) for name, times in
