@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -88,7 +87,8 @@ class EMA(Callback):
 
     @override
     def pre_val_epoch(self) -> None:
-        self._reshard()
+        # No gathered FSDP2 copies are live here: training's backward and the loop's
+        # end-of-validation reshard release them, so writing the shards is enough.
         with torch.no_grad():
             params = [_local(param) for param in self._params.values()]
             self._backup = [param.clone() for param in params]
@@ -147,7 +147,6 @@ class EMA(Callback):
         if self._tracking or not self._setup_begun:
             return
         self._tracking = True
-        self._reshard()
         for model_name, model in self.trainer.named_models().items():
             for name, param in model.named_parameters():
                 if param.requires_grad:
@@ -170,20 +169,10 @@ class EMA(Callback):
     def _restore(self) -> None:
         if self._backup is None:
             return
-        self._reshard()
         with torch.no_grad():
             torch._foreach_copy_([_local(param) for param in self._params.values()],
                                  self._backup)
         self._backup = None
-
-    def _reshard(self) -> None:
-        # FSDP2 keeps the root module's parameters gathered after a forward pass without
-        # backward (validation), and the next forward reuses them instead of gathering again:
-        # after the sharded weights are swapped, the gathered copies would be stale.
-        for model in self.trainer.named_models().values():
-            for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
