@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
-	$(PY) -m pip install --quiet -e ".[dev,metrics,wandb]"
+	$(PY) -m pip install --quiet -e ".[dev,metrics,wandb,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)

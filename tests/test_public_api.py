@@ -13,7 +13,7 @@ from tests.helpers.launch import REPO, child_env
 SNAPSHOT = {
     "dream_trainer": ["AbstractTrainer", "AbstractTrainerConfig", "BaseTrainer",
                       "BaseTrainerConfig", "DreamTrainer", "DreamTrainerConfig", "StopTraining"],
-    "dream_trainer.configs": ["CheckpointParameters", "ConfigModel", "DeviceParameters",
+    "dream_trainer.configs": ["CheckpointParameters", "ConfigModel", "apply_cli_overrides", "DeviceParameters",
                               "LoggingParameters", "TrainingParameters"],
     "dream_trainer.mixins": ["CheckpointConfigMixin", "CheckpointMixin", "EvalConfigMixin",
                              "EvalMixin", "JSONLoggerConfigMixin", "JSONLoggerMixin",

@@ -2,9 +2,10 @@
 
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.checkpoint import CheckpointParameters
+from dream_trainer.configs.cli import apply_cli_overrides
 from dream_trainer.configs.device import DeviceParameters
 from dream_trainer.configs.logging import LoggingParameters
 from dream_trainer.configs.training import TrainingParameters
 
 __all__ = ["CheckpointParameters", "ConfigModel", "DeviceParameters", "LoggingParameters",
-           "TrainingParameters"]
+           "TrainingParameters", "apply_cli_overrides"]

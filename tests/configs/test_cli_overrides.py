@@ -1,0 +1,86 @@
+"""apply_cli_overrides: command-line values over a script's config, validated by pydantic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from dream_trainer import BaseTrainerConfig
+from dream_trainer.configs import TrainingParameters, apply_cli_overrides
+from dream_trainer.mixins import SetupConfigMixin
+
+
+class ScriptConfig(BaseTrainerConfig, SetupConfigMixin):
+    learning_rate: float = 3e-3
+    """Peak learning rate of AdamW."""
+
+
+def script_config() -> ScriptConfig:
+    return ScriptConfig(project="p", group="g", experiment="e", seed=7,
+                        training_parameters=TrainingParameters(n_epochs=20, train_batch_size=32,
+                                                               gradient_accumulation_steps=2))
+
+
+def test_named_fields_change_and_the_rest_keep_the_scripts_values() -> None:
+    base = script_config()
+    config = apply_cli_overrides(base, ["--training_parameters.n_epochs", "3",
+                                        "--learning_rate", "0.1",
+                                        "--device_parameters.param_dtype", "bfloat16"])
+    assert type(config) is ScriptConfig
+    assert config.training_parameters.n_epochs == 3
+    assert config.learning_rate == 0.1
+    assert config.device_parameters.param_dtype == torch.bfloat16
+    # Untouched fields, nested or not, keep what the script set, not the class defaults.
+    assert config.training_parameters.train_batch_size == 32
+    assert config.training_parameters.gradient_accumulation_steps == 2
+    assert (config.seed, config.project) == (7, "p")
+    assert base.training_parameters.n_epochs == 20  # the script's object is not modified
+
+
+def test_no_arguments_gives_an_equal_copy() -> None:
+    base = script_config()
+    config = apply_cli_overrides(base, [])
+    assert config is not base
+    assert config.model_dump(exclude={"callbacks"}) == base.model_dump(exclude={"callbacks"})
+
+
+def test_a_nested_model_given_whole_as_json() -> None:
+    config = apply_cli_overrides(script_config(), [
+        "--training_parameters", '{"n_epochs": 2, "train_batch_size": 4}'])
+    assert (config.training_parameters.n_epochs, config.training_parameters.train_batch_size) \
+        == (2, 4)
+    assert config.training_parameters.gradient_accumulation_steps == 2
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    (["--training_parameters.n_epochs", "0"], "training_parameters.n_epochs"),
+    (["--training_parameters.n_epochs", "three"], "training_parameters.n_epochs"),
+    (["--learning_rate", "fast"], "learning_rate"),
+    (["--device_parameters.dp_shard", "-2"], "device_parameters.dp_shard"),
+])
+def test_a_bad_value_is_pydantics_error_naming_the_field(args: list[str], field: str) -> None:
+    with pytest.raises(ValidationError) as error:
+        apply_cli_overrides(script_config(), args)
+    assert field in str(error.value)
+
+
+def test_an_unknown_field_exits_with_argparses_message(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        apply_cli_overrides(script_config(), ["--training_parameters.n_epoch", "3"], prog="train")
+    assert exit_.value.code == 2
+    assert "unrecognized arguments: --training_parameters.n_epoch 3" in capsys.readouterr().err
+
+
+def test_help_lists_every_field_with_its_description_and_the_scripts_value(
+        capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        apply_cli_overrides(script_config(), ["--help"], prog="train", description="Train it.")
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: train") and "Train it." in out
+    for name in TrainingParameters.model_fields:
+        assert f"--training_parameters.{name}" in out
+    assert "Peak learning rate of AdamW." in out
+    assert "Number of passes over the training data. (default: 20)" in out
+    assert "Micro-batch size per rank. (default: 32)" in out
