@@ -1,43 +1,196 @@
-"""The command line: help, and export of a checkpoint."""
+"""The command line: help, summarize, benchmark, profile, bad targets, and export of a checkpoint.
+
+Commands run in this process through ``main([...])`` (each tears its one-process world down);
+only the torchrun run needs child processes.
+"""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
+from dream_trainer.cli import main
 from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config
-from tests.helpers.launch import REPO, child_env
+from tests.helpers.launch import REPO, check, child_env
+from tests.scripts.cli_trainer import PARAMETERS
+
+SCRIPT = REPO / "tests" / "scripts" / "cli_trainer.py"
+TARGET = f"{SCRIPT}:make_trainer"
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dream_trainer", *args], env=child_env(),
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+@pytest.fixture(autouse=True)
+def _restore_imports(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Loading a TARGET puts its directory on sys.path and its module in sys.modules."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.startswith("dream_trainer_target_"):
+            del sys.modules[name]
 
 
-def test_help_lists_the_commands() -> None:
-    result = cli("--help")
-    assert result.returncode == 0 and "export" in result.stdout
-    assert "safetensors" in cli("export", "--help").stdout
+def sandboxes() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("dream-trainer-*"))
 
 
-def test_export_command_writes_loadable_weights(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("command", "expected"), [
+    ([], ["summarize", "benchmark", "profile", "export", "TARGET"]),
+    (["summarize"], ["TARGET", "OVERRIDE", "--depth"]),
+    (["benchmark"], ["TARGET", "OVERRIDE", "--steps", "--warmup", "--json"]),
+    (["profile"], ["TARGET", "OVERRIDE", "--steps", "--warmup", "--out"]),
+    (["export"], ["checkpoint", "out_dir", "safetensors"]),
+])
+def test_help_names_the_commands_and_their_options(
+        command: list[str], expected: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for word in expected:
+        assert word in out, (word, out)
+
+
+def test_summarize_prints_the_config_world_and_models_without_training(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)  # the script's checkpoints and logs would default to ./outputs
+    assert main(["summarize", TARGET, "--learning_rate", "0.5"]) == 0
+    out = capsys.readouterr().out
+    config = json.loads(out.split("== config (CliConfig) ==\n")[1].split("== world ==")[0])
+    assert config["learning_rate"] == 0.5  # the override reached the factory
+    assert config["training_parameters"]["train_batch_size"] == 8
+    assert config["project"] == "cli"
+    assert "world size 1, device cpu, backend gloo" in out
+    assert "mesh: none" in out
+    assert f"model: plain, float32, {PARAMETERS} parameters ({PARAMETERS} trainable)" in out
+    assert f"optimizer: AdamW, 1 param group, {PARAMETERS} parameters, lr 0.5" in out
+    assert "train: 8 batches of 8 per rank per epoch" in out
+    assert "val: 2 batches of 8 per rank per pass" in out
+    assert "ran the script's __main__ block" not in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_benchmark_measures_n_steps_and_writes_nothing_into_the_run_directories(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = sandboxes()
+    figures = tmp_path / "figures.json"
+    # 16 samples are 2 steps per epoch: the 5 steps asked for need more epochs than the 2
+    # configured, each saving a checkpoint in the user's config.
+    assert main(["benchmark", TARGET, "--checkpoint_parameters.root_dir", str(tmp_path / "ckpt"),
+                 "--steps", "4", "--warmup", "1", "--json", str(figures),
+                 "--", "--logging_parameters.log_dir", str(tmp_path / "logs"),
+                 "--samples", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "steps: 4 measured after 1 warm-up steps" in out
+    assert "samples/s:" in out and "steps/s:" in out
+    written = json.loads(figures.read_text())
+    assert written["steps"] == 4 and len(written["step_times_s"]) == 4
+    assert written["samples_per_step"] == 8
+    assert written["samples_per_second"] == pytest.approx(8 * 4 / sum(written["step_times_s"]))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["figures.json"]
+    assert sandboxes() == before  # the temporary checkpoint directory is gone too
+
+
+def test_profile_writes_a_chrome_trace_and_prints_the_top_operators(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_dir = tmp_path / "profile"
+    assert main(["profile", TARGET, "--steps", "2", "--warmup", "1", "--out", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    trace = json.loads((out_dir / "trace_rank0.json").read_text())
+    assert trace["traceEvents"]
+    assert "Self CPU" in out and "aten::addmm" in out
+    assert f"trace: {out_dir / 'trace_rank0.json'}" in out
+
+
+@pytest.mark.parametrize(("target", "message"), [
+    ("tests/scripts/missing.py:make_trainer", "no such file: tests/scripts/missing.py"),
+    (f"{SCRIPT}:make_trainr", "has no attribute 'make_trainr'"),
+    (f"{SCRIPT}:NOT_CALLABLE", "NOT_CALLABLE is not callable (type int)"),
+    (f"{SCRIPT}:make_something_else", "make_something_else() returned dict, not a trainer"),
+    (f"{SCRIPT}:CliTrainer", "CliTrainer is a trainer class, not a factory"),
+    (str(SCRIPT), "names no factory"),
+    ("tests.scripts.no_such_module:make_trainer", "no module named 'tests.scripts.no_such_module'"),
+])
+def test_a_bad_target_is_a_one_line_error_with_exit_code_2(
+        target: str, message: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    assert main(["summarize", target]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dream-trainer summarize: error: ") and err.count("\n") == 1, err
+    assert message in err
+    assert "path/to/script.py:NAME or package.module:NAME" in err
+
+
+def test_a_module_target_and_a_factory_without_arguments(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    assert main(["summarize", "tests.scripts.cli_trainer:make_trainer_without_args",
+                 "--depth", "0"]) == 0
+    assert f"{PARAMETERS} parameters" in capsys.readouterr().out
+    # Overrides for a factory that cannot take them are refused, not dropped.
+    assert main(["summarize", "tests.scripts.cli_trainer:make_trainer_without_args",
+                 "--hidden", "3"]) == 2
+    assert "make_trainer_without_args() takes no arguments" in capsys.readouterr().err
+
+
+def test_a_bad_override_is_pydantics_error_naming_the_field(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["summarize", TARGET, "--training_parameters.n_epochs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "training_parameters.n_epochs" in err and "greater than 0" in err
+    with pytest.raises(SystemExit) as exit_:
+        main(["summarize", TARGET, "--training_parameters.n_epoch", "3"])
+    assert exit_.value.code == 2
+    assert "cli_trainer.py: error: unrecognized arguments: --training_parameters.n_epoch 3" \
+        in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_benchmark_under_torchrun_prints_once(tmp_path: Path) -> None:
+    figures = tmp_path / "figures.json"
+    result = check(subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "dream_trainer", "benchmark", TARGET, "--steps", "3", "--warmup", "1",
+         "--json", str(figures)],
+        env=child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240))
+    assert result.stdout.count("steps: 3 measured") == 1, result.stdout
+    assert "(world size 2, device cpu)" in result.stdout
+    written = json.loads(figures.read_text())
+    assert (written["dp_size"], written["samples_per_step"]) == (2, 16)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["figures.json"]
+
+
+def test_export_command_writes_loadable_weights(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trainer = CheckpointedTrainer(checkpointed_config(tmp_path, resume=None))
     trainer.fit()
+    capsys.readouterr()
     checkpoint = tmp_path / "ckpt/tests/run/checkpoints" / f"step_{trainer.global_step}"
-    result = cli("export", str(checkpoint), str(tmp_path / "out"))
-    assert result.returncode == 0, result.stderr
-    assert f"model: {tmp_path / 'out' / 'model.safetensors'}" in result.stdout
+    assert main(["export", str(checkpoint), str(tmp_path / "out")]) == 0
+    assert f"model: {tmp_path / 'out' / 'model.safetensors'}" in capsys.readouterr().out
     weights = load_file(tmp_path / "out" / "model.safetensors")
     for name, tensor in trainer.model.state_dict().items():
         assert torch.equal(weights[name], tensor)
 
 
-def test_export_of_a_broken_checkpoint_fails_with_a_message(tmp_path: Path) -> None:
+def test_export_of_a_broken_checkpoint_fails_with_a_message(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "step_3").mkdir()
-    result = cli("export", str(tmp_path / "step_3"), str(tmp_path / "out"))
-    assert result.returncode == 1
-    assert "is not a complete dream_trainer checkpoint" in result.stderr
+    assert main(["export", str(tmp_path / "step_3"), str(tmp_path / "out")]) == 1
+    assert "is not a complete dream_trainer checkpoint" in capsys.readouterr().err
+
+
+def test_export_takes_no_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", "step_3", "out", "--learning_rate", "1"])
+    assert exit_.value.code == 2
+    assert "unrecognized arguments: --learning_rate 1" in capsys.readouterr().err

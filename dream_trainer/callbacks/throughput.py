@@ -61,6 +61,11 @@ class Throughput(RankZeroCallback):
         self._window_tokens = 0
         self._last_time = 0.0
 
+    @property
+    def step_times(self) -> list[float]:
+        """Seconds taken by each of the last ``window`` optimizer steps, oldest first."""
+        return list(self._step_times)
+
     # -- hooks ---------------------------------------------------------------------------------
     @override
     def pre_train_epoch(self) -> None:

@@ -78,6 +78,7 @@ def test_the_window_slides_over_the_latest_steps(monkeypatch: pytest.MonkeyPatch
     # Steps 4 and 5 took 4 s and 5 s.
     assert throughput.latest == {"throughput/step_time": 4.5,
                                  "throughput/samples_per_second": 16 / 9}
+    assert throughput.step_times == [4.0, 5.0]
 
 
 class DictBatches(ToyTrainer):

@@ -1,0 +1,103 @@
+"""Running a user's trainer for a command: its side effects kept out of the user's run."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from typing_extensions import override
+
+from dream_trainer.callbacks.callback import Callback
+from dream_trainer.configs.base import ConfigModel
+from dream_trainer.configs.checkpoint import CheckpointParameters
+from dream_trainer.configs.logging import LoggingParameters
+from dream_trainer.configs.training import TrainingParameters
+from dream_trainer.trainer.base import BaseTrainer
+
+
+class Sandbox(Callback[BaseTrainer]):
+    """Point the trainer's checkpoints at a temporary directory and turn its logging off.
+
+    At ``pre_configure``, once the process group exists, rank 0 creates the directory and
+    every rank receives its name, so that a multi-rank checkpoint lands in one place. The
+    trainer's config is replaced by a copy in which every ``CheckpointParameters`` field
+    writes there, with no periodic saves and no resume, every ``LoggingParameters`` field is
+    disabled (no local files, no wandb run), and ``TrainingParameters`` get ``training``.
+    Nothing the trainer does then reaches the directories the user configured.
+
+    Args:
+        training: ``TrainingParameters`` fields to replace (``max_steps``, ...).
+    """
+
+    def __init__(self, **training: Any) -> None:
+        self.training = training
+        self.directory: Path | None = None
+
+    @override
+    def pre_configure(self) -> None:
+        holder = [tempfile.mkdtemp(prefix="dream-trainer-") if self.trainer.world.is_rank_zero
+                  else None]
+        if self.trainer.world.world_size > 1:
+            dist.broadcast_object_list(holder, src=0)
+        self.directory = Path(holder[0])  # type: ignore[arg-type]
+        self.trainer.config = _redirected(self.trainer.config, self.directory, self.training)
+
+
+def _redirected(config: Any, directory: Path, training: dict[str, Any]) -> Any:
+    updates: dict[str, ConfigModel] = {}
+    for name in type(config).model_fields:
+        value = getattr(config, name)
+        if isinstance(value, CheckpointParameters):
+            updates[name] = value.model_copy(update={
+                "root_dir": directory, "every_n_steps": None, "every_n_epochs": None,
+                "keep_top_k": None, "resume": None, "load_weights_only": False})
+        elif isinstance(value, LoggingParameters):
+            updates[name] = value.model_copy(update={"enabled": False, "log_dir": directory})
+        elif isinstance(value, TrainingParameters) and training:
+            updates[name] = value.model_copy(update=training)
+    return config.model_copy(update=updates)
+
+
+def attach(trainer: BaseTrainer, *callbacks: Callback[Any]) -> None:
+    """Add callbacks after the user's ones (the collection is the trainer's own copy)."""
+    for callback in callbacks:
+        trainer.callbacks.append(callback)
+    trainer.callbacks.attach(trainer)
+
+
+@contextmanager
+def sandboxed(trainer: BaseTrainer, **training: Any) -> Iterator[Sandbox]:
+    """Attach a ``Sandbox`` for the duration of the block, then delete its directory."""
+    sandbox = Sandbox(**training)
+    attach(trainer, sandbox)
+    try:
+        yield sandbox
+    finally:
+        if sandbox.directory is not None:
+            shutil.rmtree(sandbox.directory, ignore_errors=True)
+
+
+@contextmanager
+def set_up(trainer: BaseTrainer) -> Iterator[None]:
+    """``fit()`` up to the end of setup, its hooks included, without training.
+
+    The process group is torn down afterwards exactly as ``fit()`` tears it down, also when
+    the block raises.
+    """
+    completed = False
+    try:
+        trainer._launch()
+        trainer._configure()
+        trainer._setup()
+        yield
+        completed = True
+    finally:
+        try:
+            trainer.teardown()
+        finally:
+            trainer.world.shutdown(graceful=completed)

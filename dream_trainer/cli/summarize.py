@@ -1,0 +1,132 @@
+"""``dream-trainer summarize``: the config, world, models, optimizers and data, without training."""
+
+from __future__ import annotations
+
+import argparse
+import io
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from dream_trainer.callbacks.summaries import ModelSummary, TrainerSummary
+from dream_trainer.cli.arguments import add_target, non_negative_int
+from dream_trainer.cli.session import attach, sandboxed, set_up
+from dream_trainer.cli.target import load_trainer
+from dream_trainer.trainer.base import BaseTrainer
+
+
+def add_parser(commands: Any) -> argparse.ArgumentParser:
+    parser = commands.add_parser(
+        "summarize", allow_abbrev=False,
+        help="print the config, world, models, optimizers and data of a trainer, untrained",
+        description="Launch, configure and set up the trainer as fit() would (process group, "
+                    "mesh, parallelism, materialization, optimizers, data), print what that "
+                    "built, and tear it down without training. Checkpoints and logs go nowhere "
+                    "near the configured directories.")
+    add_target(parser)
+    parser.add_argument("--depth", type=non_negative_int, default=1, metavar="D",
+                        help="deepest level of submodules listed per model (default: 1)")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    trainer = load_trainer(args.target, overrides)
+    config_json = trainer.config.model_dump_json(indent=2)  # the user's, before the sandbox
+    model_tables, schedule_table = io.StringIO(), io.StringIO()
+    models = ModelSummary(max_depth=args.depth, stream=model_tables)
+    schedule = TrainerSummary(stream=schedule_table)
+    with sandboxed(trainer):
+        attach(trainer, models, schedule)
+        with set_up(trainer):
+            if not trainer.world.is_rank_zero:
+                return 0
+            sections = {
+                f"config ({type(trainer.config).__name__})": config_json,
+                "world": _world(trainer),
+                "models": "\n".join([model_tables.getvalue().rstrip()] + [
+                    _model(name, model, models) for name, model in trainer.named_models().items()]),
+                "optimizers": _optimizers(trainer),
+                "data": _data(trainer, schedule.summary["optimizer_steps_per_epoch"]),
+                "schedule": schedule_table.getvalue().rstrip(),
+            }
+    for title, body in sections.items():
+        print(f"== {title} ==\n{body}\n")
+    return 0
+
+
+def _world(trainer: BaseTrainer) -> str:
+    world = trainer.world
+    axes = world.dims.mesh_axes()
+    mesh = (" x ".join(f"{axis}={size}" for axis, size in axes) if axes
+            else "none (every degree is 1)")
+    data_parallel = (f"{trainer.data_parallel.name} over {world.dp_size} ranks"
+                     if world.dp_size > 1 else "none")
+    return (f"world size {world.world_size}, device {world.device}, backend {world.backend}\n"
+            f"mesh: {mesh}; data parallel: {data_parallel}")
+
+
+def _model(name: str, model: nn.Module, summary: ModelSummary) -> str:
+    root = next(row for row in summary.rows if row.name == name and row.depth == 0)
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    return (f"{name}: {_wrapping(model)}, {'/'.join(dtypes) or 'no parameters'}, "
+            f"{root.params:,} parameters ({root.trainable:,} trainable)")
+
+
+def _wrapping(model: nn.Module) -> str:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return "DDP"
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        return "FSDP2"
+    return "plain"
+
+
+def _optimizers(trainer: BaseTrainer) -> str:
+    lines = []
+    for name, optimizer in trainer.named_optimizers().items():
+        groups = optimizer.param_groups
+        count = sum(p.numel() for group in groups for p in group["params"])
+        rates = ", ".join(f"{group['lr']:g}" for group in groups if "lr" in group)
+        lines.append(f"{name}: {type(optimizer).__name__}, {_count(len(groups), 'param group')}, "
+                     f"{_count(count, 'parameter')}, lr {rates or '-'}")
+    for name, scheduler in trainer.named_schedulers().items():
+        lines.append(f"{name}: {type(scheduler).__name__} on "
+                     f"{_name_of(scheduler.optimizer, trainer.named_optimizers())}")
+    return "\n".join(lines)
+
+
+def _name_of(value: object, named: dict[str, Any]) -> str:
+    return next((name for name, candidate in named.items() if candidate is value), "?")
+
+
+def _data(trainer: BaseTrainer, steps: int) -> str:
+    params = trainer.training_parameters
+    batches = _count(steps * params.gradient_accumulation_steps, "batch", "batches")
+    train = (f"train: {batches} of {params.train_batch_size} per rank per epoch (of "
+             f"{_length(trainer.train_dataloader)} in the loader), "
+             f"{_count(steps, 'optimizer step')} per epoch")
+    loader = trainer.val_dataloader
+    if loader is None:
+        return f"{train}\nval: none"
+    try:
+        length = len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        length = params.val_steps_per_epoch
+    val = ("every batch (the loader has no len)" if length is None else
+           _count(min(length, params.val_steps_per_epoch or length), "batch", "batches"))
+    return f"{train}\nval: {val} of {params.val_batch_size} per rank per pass"
+
+
+def _length(loader: Iterable[Any]) -> str:
+    try:
+        return f"{len(loader):,}"  # type: ignore[arg-type]
+    except TypeError:
+        return "an unknown number (no len)"
+
+
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
