@@ -26,7 +26,7 @@ from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.checkpoint import CheckpointParameters
 from dream_trainer.parallel.materialize import any_rank_failed
 from dream_trainer.trainer.abstract import AbstractTrainer, StopTraining
-from dream_trainer.utils.preemption import PreemptionFlag
+from dream_trainer.utils.preemption import PreemptionAgreement, PreemptionFlag
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class CheckpointMixin(AbstractTrainer):
         self._pending_rng: dict[str, Any] | None = None
         self._rng_mid_epoch = False
         self._preemption = PreemptionFlag()
+        self._preemption_agreement = PreemptionAgreement(self._preemption)
 
     @property
     def checkpoint_parameters(self) -> CheckpointParameters:
@@ -78,6 +79,10 @@ class CheckpointMixin(AbstractTrainer):
         # DCP's own collectives run on a separate gloo group: an async save in a background
         # thread on the training group would interleave with training collectives.
         self._checkpoint_group = dist.new_group(backend="gloo")
+        if self.world.world_size > 1:
+            # Ranks agree on preemption through a group of its own (see PreemptionAgreement).
+            self._preemption_agreement = PreemptionAgreement(
+                self._preemption, dist.new_group(backend="gloo"))
         self._resume()
         super().post_setup()
 
@@ -128,6 +133,7 @@ class CheckpointMixin(AbstractTrainer):
 
     def post_fit(self) -> None:
         super().post_fit()
+        self._preemption_agreement.finish()
         self.save_checkpoint(asynchronous=False)
         self._preemption.uninstall()
 
@@ -262,7 +268,7 @@ class CheckpointMixin(AbstractTrainer):
             )
 
     def _preemption_requested(self) -> bool:
-        return any_rank_failed(self._preemption.is_set, self.world.device)
+        return self._preemption_agreement.poll()
 
     def _barrier(self) -> None:
         if self.world.world_size > 1:

@@ -72,11 +72,12 @@ def test_sigterm_on_one_rank_saves_exits_zero_and_resumes_exactly(
     procs = spawn_ranks(SCRIPT, args)
     outputs = [proc.communicate(timeout=180)[0] for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outputs
-    # Rank 1 got the signal in step 6's post_train_batch; at the end of that step every
-    # rank agrees, saves and stops.
+    # Rank 1 got the signal in step 6's post_train_batch. The ranks' vote started at the end
+    # of step 6 is read at the end of step 7 (it runs in the background meanwhile): there
+    # every rank agrees, saves and stops.
     for rank, output in enumerate(outputs):
-        assert f"rank={rank} preempted=True step=6" in output
-    assert (tmp_path / "run/ckpt/tests/run/checkpoints/step_6/.metadata").is_file()
+        assert f"rank={rank} preempted=True step=7" in output
+    assert (tmp_path / "run/ckpt/tests/run/checkpoints/step_7/.metadata").is_file()
     resumed = spawn_ranks(SCRIPT, args)
     outputs = [proc.communicate(timeout=180)[0] for proc in resumed]
     assert [proc.returncode for proc in resumed] == [0, 0], outputs
