@@ -61,3 +61,8 @@ def test_import_pulls_in_no_optional_extra() -> None:
     for heavy in ("wandb", "torchmetrics", "lightning", "rich.progress", "rich.console",
                   "tensorboard", "sklearn"):
         assert heavy not in modules, heavy
+    # Each of these takes about a second to import (DTensor pulls in sympy); they load when a
+    # run first shards, checkpoints or exports, not at `import dream_trainer`.
+    for lazy in ("torch.distributed.tensor", "torch.distributed.fsdp",
+                 "torch.distributed.checkpoint", "sympy"):
+        assert lazy not in modules, lazy

@@ -6,11 +6,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from dream_trainer.callbacks.callback import Callback
+from dream_trainer.parallel.dtensor import local_tensor
 
 NUM_UPDATES = "num_updates"
 """The ``state_dict`` key of the update count; every other key names an averaged parameter."""
@@ -81,8 +81,8 @@ class EMA(Callback):
         if not keys:
             return
         with torch.no_grad():
-            torch._foreach_lerp_([_local(self._shadows[key]) for key in keys],
-                                 [_local(self._params[key]) for key in keys], 1.0 - self.decay)
+            torch._foreach_lerp_([local_tensor(self._shadows[key]) for key in keys],
+                                 [local_tensor(self._params[key]) for key in keys], 1.0 - self.decay)
         self.num_updates += 1
 
     @override
@@ -90,9 +90,9 @@ class EMA(Callback):
         # No gathered FSDP2 copies are live here: training's backward and the loop's
         # end-of-validation reshard release them, so writing the shards is enough.
         with torch.no_grad():
-            params = [_local(param) for param in self._params.values()]
+            params = [local_tensor(param) for param in self._params.values()]
             self._backup = [param.clone() for param in params]
-            torch._foreach_copy_(params, [_local(shadow) for shadow in self._shadows.values()])
+            torch._foreach_copy_(params, [local_tensor(shadow) for shadow in self._shadows.values()])
 
     @override
     def post_val_epoch(self, result: dict[str, Any]) -> None:
@@ -170,17 +170,9 @@ class EMA(Callback):
         if self._backup is None:
             return
         with torch.no_grad():
-            torch._foreach_copy_([_local(param) for param in self._params.values()],
+            torch._foreach_copy_([local_tensor(param) for param in self._params.values()],
                                  self._backup)
         self._backup = None
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``: the shard of a DTensor, or the tensor itself.
-
-    Under ``no_grad`` a DTensor's ``to_local()`` is its storage, so in-place ops write through.
-    """
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _canonical_name(model: nn.Module, name: str) -> str:

@@ -7,10 +7,10 @@ from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from dream_trainer.callbacks.callback import Callback
+from dream_trainer.parallel.dtensor import local_tensor
 from dream_trainer.parallel.materialize import any_rank_failed
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class NanGuard(Callback):
     def pre_optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if self.mode != "skip":
             return
-        grads = [_local(param.grad) for param in model.parameters() if param.grad is not None]
+        grads = [local_tensor(param.grad) for param in model.parameters() if param.grad is not None]
         finite = not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
         # Every rank must skip or step together: FSDP2 and tensor-parallel ranks each hold
         # only part of the gradients.
@@ -205,8 +205,3 @@ class NanGuard(Callback):
             "division of zero, or bad data in that batch; NanGuard(mode='skip') skips such "
             "steps instead"
         )
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor gradient (FSDP2, tensor parallel), or the tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

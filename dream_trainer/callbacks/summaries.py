@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
-import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from dream_trainer.callbacks.callback import RankZeroCallback
 from dream_trainer.callbacks.progress_bar import planned_optimizer_steps
+from dream_trainer.parallel.dtensor import local_tensor
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -111,7 +110,7 @@ class ModelSummary(RankZeroCallback):
     @override
     def post_setup(self) -> None:
         self.local_bytes = {
-            name: sum(_local(p).numel() * p.element_size() for p in model.parameters())
+            name: sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
             for name, model in self.trainer.named_models().items()
         }
         console = _console(self.stream)
@@ -126,11 +125,6 @@ def _row(name: str, module: nn.Module, depth: int) -> ModuleRow:
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
     return ModuleRow(name, type(module).__name__, depth, trainable + frozen, trainable, frozen)
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter: its shard when sharded (DTensor), else all of it."""
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 class TrainerSummary(RankZeroCallback):

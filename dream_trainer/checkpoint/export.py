@@ -6,8 +6,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dream_trainer.checkpoint.layout import CheckpointError, is_complete, verify_files
 
@@ -26,7 +24,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, 
     Raises:
         CheckpointError: if the checkpoint is incomplete or damaged.
     """
+    # Imported here: torch.distributed.checkpoint takes about a second to import.
+    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if not is_complete(checkpoint):

@@ -6,11 +6,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                     get_optimizer_state_dict,
-                                                     set_model_state_dict,
-                                                     set_optimizer_state_dict)
-from torch.distributed.checkpoint.stateful import Stateful
 
 from dream_trainer.checkpoint.layout import CheckpointError
 from dream_trainer.checkpoint.rng import rng_state
@@ -41,7 +36,7 @@ def optimizer_owner(trainer: AbstractTrainer, name: str,
     )
 
 
-class TrainingState(Stateful):
+class TrainingState:
     """Models, optimizers, schedulers, trainer counters and callbacks, and this rank's RNG.
 
     Model and optimizer states come from ``get_model_state_dict``/``get_optimizer_state_dict``,
@@ -63,7 +58,13 @@ class TrainingState(Stateful):
         self.loaded_rng: dict[str, Any] | None = None
         self.resumed_mid_epoch = False
 
+    # DCP's state-dict helpers are imported where used: the package takes about a second to
+    # import. DCP recognizes this class as its Stateful protocol by its two methods.
+
     def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
         trainer = self.trainer
         state: dict[str, Any] = {"models": {name: get_model_state_dict(model)
                                             for name, model in trainer.named_models().items()}}
@@ -81,6 +82,9 @@ class TrainingState(Stateful):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
         trainer = self.trainer
         for name, model in trainer.named_models().items():
             set_model_state_dict(model, state_dict["models"][name])

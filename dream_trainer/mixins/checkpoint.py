@@ -9,12 +9,11 @@ import shutil
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from pydantic import Field
 
 from dream_trainer.checkpoint.layout import (CONFIG, CheckpointError, CheckpointInfo,
@@ -24,6 +23,7 @@ from dream_trainer.checkpoint.rng import set_rng_state
 from dream_trainer.checkpoint.state import TrainingState, rng_key
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.checkpoint import CheckpointParameters
+from dream_trainer.parallel.dtensor import local_tensor
 from dream_trainer.parallel.materialize import any_rank_failed
 from dream_trainer.trainer.abstract import AbstractTrainer, StopTraining
 from dream_trainer.utils.preemption import PreemptionAgreement, PreemptionFlag
@@ -173,11 +173,11 @@ class CheckpointMixin(AbstractTrainer):
             self._barrier()
             state = {"state": TrainingState(self)}
             if asynchronous:
-                future = dcp.async_save(state, checkpoint_id=str(path),
+                future = _dcp().async_save(state, checkpoint_id=str(path),
                                         process_group=self._checkpoint_group)
                 self._pending_save = (future, info)  # type: ignore[assignment]
             else:
-                dcp.save(state, checkpoint_id=str(path), process_group=self._checkpoint_group)
+                _dcp().save(state, checkpoint_id=str(path), process_group=self._checkpoint_group)
         if not asynchronous:
             self._committed(info)
         self._last_saved_step = self.global_step
@@ -187,7 +187,7 @@ class CheckpointMixin(AbstractTrainer):
         """A checkpoint of NaN/inf weights would poison every resume: refuse to write it."""
         bad = [f"{name}.{param_name}" for name, model in self.named_models().items()
                for param_name, param in model.named_parameters()
-               if not bool(torch.isfinite(_local(param)).all())]
+               if not bool(torch.isfinite(local_tensor(param)).all())]
         if any_rank_failed(bool(bad), self.world.device):
             raise CheckpointError(
                 f"not saving step {self.global_step}: the model has non-finite values"
@@ -207,6 +207,8 @@ class CheckpointMixin(AbstractTrainer):
     def _explain_write_errors(self, path: Path) -> Iterator[None]:
         """Turn a failed write (full disk, read-only directory) into an error saying what is
         kept; the half-written directory has no .metadata, so resume skips it."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             yield
         except (OSError, CheckpointException) as exc:
@@ -308,7 +310,7 @@ class CheckpointMixin(AbstractTrainer):
         for info in reversed(complete_checkpoints(self.checkpoint_dir,
                                                   warn=self.world.is_rank_zero)):
             try:
-                verify_files(info.path, dcp.FileSystemReader(str(info.path)).read_metadata())
+                verify_files(info.path, _dcp().FileSystemReader(str(info.path)).read_metadata())
             except Exception as exc:  # a damaged .metadata raises anything unpickling does
                 logger.warning("skipping %s: %s", info.path, exc)
                 continue
@@ -323,7 +325,7 @@ class CheckpointMixin(AbstractTrainer):
                 differ from this trainer's models.
         """
         path = Path(path)
-        reader = dcp.FileSystemReader(str(path))
+        reader = _dcp().FileSystemReader(str(path))
         try:
             metadata = reader.read_metadata()
         except Exception as exc:
@@ -334,7 +336,7 @@ class CheckpointMixin(AbstractTrainer):
         state = TrainingState(self, weights_only=weights_only, with_rng=with_rng)
         _check_shapes(path, state, metadata)
         try:
-            dcp.load({"state": state}, storage_reader=reader,
+            _dcp().load({"state": state}, storage_reader=reader,
                      process_group=self._checkpoint_group)
         except CheckpointError:
             raise
@@ -379,12 +381,6 @@ def _root_cause(error: BaseException | tuple[BaseException, Any]) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(tree, dict):
         return {prefix: tree}
@@ -411,3 +407,11 @@ def _check_shapes(path: Path, state: TrainingState, metadata: Any) -> None:
     if problems:
         raise CheckpointError(f"{path} does not fit this trainer's models: "
                               + "; ".join(problems))
+
+
+def _dcp() -> ModuleType:
+    """``torch.distributed.checkpoint``, imported on first use: importing it takes about a
+    second (it loads DTensor and sympy), which ``import dream_trainer`` should not cost."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp

@@ -6,7 +6,8 @@ from collections.abc import Hashable, Iterable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from dream_trainer.parallel.dtensor import is_dtensor
 
 
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -> torch.Tensor:
@@ -23,14 +24,14 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -
         grad = param.grad
         if grad is None:
             continue
-        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+        key = (grad.device_mesh, grad.placements) if is_dtensor(grad) else None
         groups.setdefault(key, []).append(param)
     if not groups:
         return torch.zeros((), device=params[0].device if params else None)
     norms = []
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        norms.append(norm.full_tensor() if is_dtensor(norm) else norm)
     total = norms[0] if len(norms) == 1 else \
         torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
     if max_norm is not None:

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
+
+from dream_trainer.parallel.dtensor import is_dtensor, local_tensor
 
 _RANDOM_FILLS = frozenset({"uniform_", "normal_", "bernoulli_", "random_", "exponential_",
                            "geometric_", "log_normal_", "cauchy_"})
@@ -33,8 +34,10 @@ class FullTensorInit(TorchFunctionMode):
         target = args[0] if args else kwargs.get("tensor")
         is_initializer = getattr(func, "__name__", None) in _RANDOM_FILLS \
             or getattr(func, "__module__", None) == "torch.nn.init"
-        if not (is_initializer and isinstance(target, DTensor)):
+        if not (is_initializer and is_dtensor(target)):
             return func(*args, **kwargs)
+        from torch.distributed.tensor import distribute_tensor  # loaded: target is one
+
         local = target.to_local()
         full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
         if args:
@@ -84,7 +87,7 @@ def find_uninitialized(name: str, module: nn.Module) -> list[str]:
     bad = []
     named = itertools.chain(module.named_parameters(), module.named_buffers())
     for tensor_name, tensor in named:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = local_tensor(tensor)
         if local.is_meta:
             bad.append(f"{name}.{tensor_name} (still on the meta device)")
         elif local.is_floating_point() and not bool(torch.isfinite(local).all()):
