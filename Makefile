@@ -3,10 +3,14 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Lightning, for the comparison in `make bench`, lives in a virtual environment of its own so
+# that it never shares a dependency with dream_trainer.
+BENCH_VENV ?= .bench-venv
+BENCH_STAMP := $(BENCH_VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test docs clean
+.PHONY: install demo test docs bench clean
 
 install: $(STAMP)
 
@@ -20,11 +24,25 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/digits.py
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+# The Lightning environment is built for the tests too, so the Lightning side of the
+# benchmarks cannot rot unnoticed.
+test: $(STAMP) $(BENCH_STAMP)
+	DREAM_BENCH_LIGHTNING_PYTHON=$(BENCH_VENV)/bin/python $(PY) -m pytest -q
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
+$(BENCH_STAMP):
+	python3 -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(BENCH_VENV)/bin/python -m pip install --quiet lightning
+	touch $(BENCH_STAMP)
+
+# Every benchmark, side by side with a hand-written loop and Lightning; writes
+# benchmarks/results/results.{json,md}. Takes about half an hour on 2 CPU cores.
+bench: $(STAMP) $(BENCH_STAMP)
+	$(PY) -m benchmarks --lightning-python $(BENCH_VENV)/bin/python
+
 clean:
-	rm -rf $(VENV) build site *.egg-info
+	rm -rf $(VENV) $(BENCH_VENV) build site *.egg-info

@@ -129,10 +129,12 @@ def main() -> None:
     result = measure(args.size_mb, args.repeats)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    print(f"| checkpoint of {result['state_bytes'] / 2**20:.0f} MiB (weights + AdamW) | ratio |")
-    print("|---|---|")
-    for name, ratio in result["ratios"].items():
-        print(f"| {name} | {ratio:.2f} |")
+    print("\n".join(markdown(result)))
+
+
+def markdown(result: dict[str, Any]) -> list[str]:
+    where = f"checkpoint of {result['state_bytes'] / 2**20:.0f} MiB (weights + AdamW)"
+    return [f"| {where}: {name} | {ratio:.2f} |" for name, ratio in result["ratios"].items()]
 
 
 if __name__ == "__main__":

@@ -128,11 +128,15 @@ def main() -> None:
         return
     result = measure(args.size_mb)
     print(json.dumps(result, indent=2))
-    size = result["model_bytes"] / 2**20
-    print(f"\n| setup of a {size:.0f} MiB fp32 model, FSDP2 on 2 ranks | peak RSS per rank / model size |")
-    print("|---|---|")
-    print(f"| meta device (dream_trainer) | {result['meta']['ratio_to_model']:.2f} |")
-    print(f"| naive full materialization | {result['naive']['ratio_to_model']:.2f} |")
+    print("\n".join(markdown(result)))
+
+
+def markdown(result: dict[str, Any]) -> list[str]:
+    where = f"setup of a {result['model_bytes'] / 2**20:.0f} MiB model, FSDP2 on 2 ranks"
+    return [f"| {where}: peak RSS per rank / model size, meta device (dream_trainer) | "
+            f"{result['meta']['ratio_to_model']:.2f} |",
+            f"| {where}: peak RSS per rank / model size, naive full materialization | "
+            f"{result['naive']['ratio_to_model']:.2f} |"]
 
 
 if __name__ == "__main__":

@@ -1,71 +1,49 @@
 """Per-step overhead of the trainers against a hand-written PyTorch loop.
 
-The same model, data, seed and optimizer are trained by (a) a hand-written loop, (b)
-``BaseTrainer`` + ``SetupMixin``, (c) ``DreamTrainer`` with its default callbacks (progress
-lines, LR monitor, JSON logs, checkpoints at the end). Each step's wall time is taken after a
-warm-up; a trial reports the median step time of each variant, and the figures are the medians
-(and spread) of the per-trial ratios to (a), so machine noise affects all variants alike.
-(b) must end with weights identical to (a).
+The same model, data, seed, initialization and optimizer (``benchmarks.workloads``) are
+trained by (a) a hand-written loop, (b) ``BaseTrainer`` + ``SetupMixin``, (c) ``DreamTrainer``
+with its default callbacks (progress lines, LR monitor, JSON logs, a checkpoint at the end)
+and, given a Lightning interpreter, (d) Lightning's ``Trainer`` in its own virtual environment
+(``benchmarks.lightning_steps``). Each step's wall time is taken after a warm-up; a trial
+reports the median step time of each variant, and the figures are the medians (and spread)
+of the per-trial ratios to (a), so machine noise affects all variants alike. (b) must end
+with weights identical to (a).
+
+With ``--ranks 2`` the variants run under torchrun on 2 CPU ranks: (a) wraps the model in
+DDP itself and reads every second sample, as the trainers' samplers do.
 
     python -m benchmarks.step_overhead [--model mlp|transformer] [--steps 300] [--trials 5]
+                                       [--ranks 1|2] [--lightning-python PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
+from benchmarks import lightning_steps
+from benchmarks.workloads import (BATCH, LR, SEED, build_model, dataset, hand_written,
+                                  init_weights)
 from dream_trainer import BaseTrainer, BaseTrainerConfig, DreamTrainer, DreamTrainerConfig
-from dream_trainer.configs import (CheckpointParameters, DeviceParameters, LoggingParameters,
-                                   TrainingParameters)
+from dream_trainer.configs import CheckpointParameters, LoggingParameters, TrainingParameters
 from dream_trainer.mixins import SetupConfigMixin, SetupMixin
 
-SEED, BATCH, WARMUP = 0, 32, 20
-
-
-def build_model(kind: str) -> nn.Module:
-    if kind == "mlp":
-        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                             nn.Linear(256, 10))
-    layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.0,
-                                       batch_first=True)
-    return nn.Sequential(nn.TransformerEncoder(layer, num_layers=2), nn.Flatten(),
-                         nn.Linear(64 * 16, 10))
-
-
-def dataset(kind: str, steps: int) -> TensorDataset:
-    generator = torch.Generator().manual_seed(1)
-    shape = (64,) if kind == "mlp" else (16, 64)
-    n = steps * BATCH
-    return TensorDataset(torch.randn(n, *shape, generator=generator),
-                         torch.randint(0, 10, (n,), generator=generator))
-
-
-def hand_written(kind: str, steps: int) -> tuple[list[float], nn.Module]:
-    """(a): plain PyTorch, with the same gradient-norm computation ``step()`` returns."""
-    torch.manual_seed(SEED)
-    model = build_model(kind)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    times = []
-    model.train()
-    for x, y in DataLoader(dataset(kind, steps), batch_size=BATCH):
-        start = time.perf_counter()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-    return times, model
+WARMUP = 20
+REPO = Path(__file__).resolve().parent.parent
 
 
 class BenchConfig(BaseTrainerConfig, SetupConfigMixin):
@@ -79,12 +57,16 @@ class Timed:
     def configure_models(self) -> None:
         self.model = build_model(self.config.kind)  # type: ignore[attr-defined]
 
+    def init_weights(self) -> None:
+        init_weights(self.model)
+
     def configure_optimizers(self) -> None:
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
 
     def configure_dataloaders(self) -> tuple[DataLoader[Any], None]:
         config = self.config  # type: ignore[attr-defined]
-        return DataLoader(dataset(config.kind, config.steps), batch_size=BATCH), None
+        data = dataset(config.kind, config.steps * BATCH * self.world.dp_size)  # type: ignore[attr-defined]
+        return DataLoader(data, batch_size=BATCH), None
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         x, y = batch
@@ -121,40 +103,113 @@ def run_trainer(trainer_class: type, config: Any) -> tuple[list[float], nn.Modul
     trainer = trainer_class(config)
     trainer.times = []
     trainer.fit()
-    return trainer.times, trainer.model
+    model = trainer.model
+    return trainer.times, getattr(model, "module", model)
 
 
-def measure(kind: str = "mlp", steps: int = 300, trials: int = 5) -> dict[str, Any]:
-    ratios: dict[str, list[float]] = {"base": [], "dream": []}
-    medians: dict[str, list[float]] = {"hand": [], "base": [], "dream": []}
-    identical = True
+def trial_medians(kind: str, steps: int, workdir: Path) -> tuple[dict[str, float], bool]:
+    """One trial of (a), (b), (c) in this process (every rank runs it under torchrun)."""
     common = {"project": "bench", "group": "overhead", "experiment": kind, "seed": SEED,
               "kind": kind, "steps": steps,
-              "device_parameters": DeviceParameters.SINGLE_DEVICE(),
               "training_parameters": TrainingParameters(n_epochs=1, train_batch_size=BATCH)}
-    with tempfile.TemporaryDirectory() as tmp:
-        for trial_index in range(trials):
-            hand_times, hand_model = hand_written(kind, steps)
-            base_times, base_model = run_trainer(BaseBench, BenchConfig(**common))
-            dream_times, _ = run_trainer(DreamBench, DreamConfig(
-                **common,
-                checkpoint_parameters=CheckpointParameters(root_dir=Path(tmp) / str(trial_index)),
-                logging_parameters=LoggingParameters(log_dir=Path(tmp) / str(trial_index))))
-            identical &= all(torch.equal(a, b) for a, b in zip(hand_model.state_dict().values(),
-                                                               base_model.state_dict().values()))
-            trial = {name: statistics.median(times[WARMUP:]) for name, times in
-                     (("hand", hand_times), ("base", base_times), ("dream", dream_times))}
-            for name, value in trial.items():
-                medians[name].append(value)
-            ratios["base"].append(trial["base"] / trial["hand"])
-            ratios["dream"].append(trial["dream"] / trial["hand"])
+    hand_times, hand_model = hand_written(kind, steps)
+    base_times, base_model = run_trainer(BaseBench, BenchConfig(**common))
+    dream_times, _ = run_trainer(DreamBench, DreamConfig(
+        **common, checkpoint_parameters=CheckpointParameters(root_dir=workdir),
+        logging_parameters=LoggingParameters(log_dir=workdir)))
+    identical = all(torch.equal(a, b) for a, b in zip(hand_model.state_dict().values(),
+                                                      base_model.state_dict().values()))
+    medians = {name: statistics.median(times[WARMUP:]) for name, times in
+               (("hand", hand_times), ("base", base_times), ("dream", dream_times))}
+    return medians, identical
+
+
+def summarize(trials: list[dict[str, float]], identical: bool, **facts: Any) -> dict[str, Any]:
+    """Medians of each variant's step time and of its per-trial ratio to the hand loop."""
+    names = list(trials[0])
+    ratios = {name: [t[name] / t["hand"] for t in trials] for name in names if name != "hand"}
     return {
-        "model": kind, "steps": steps, "trials": trials,
-        "median_step_seconds": {k: statistics.median(v) for k, v in medians.items()},
-        "ratio_to_hand": {k: statistics.median(v) for k, v in ratios.items()},
-        "ratio_spread": {k: (min(v), max(v)) for k, v in ratios.items()},
+        **facts, "trials": len(trials),
+        "median_step_seconds": {n: statistics.median(t[n] for t in trials) for n in names},
+        "ratio_to_hand": {n: statistics.median(r) for n, r in ratios.items()},
+        "ratio_spread": {n: [min(r), max(r)] for n, r in ratios.items()},
         "base_weights_identical_to_hand": identical,
     }
+
+
+def measure(kind: str = "mlp", steps: int = 300, trials: int = 5, ranks: int = 1,
+            lightning_python: str | None = None) -> dict[str, Any]:
+    """Run the trials (under torchrun when ``ranks > 1``) and summarize them."""
+    if ranks > 1:
+        trial_list, identical = _torchrun_trials(kind, steps, trials, ranks)
+    else:
+        trial_list, identical = [], True
+        with tempfile.TemporaryDirectory() as tmp:
+            for index in range(trials):
+                medians, same = trial_medians(kind, steps, Path(tmp) / str(index))
+                if lightning_python:  # right after the trial it is compared with
+                    medians["lightning"] = _lightning_median(lightning_python, kind, steps, 1)
+                trial_list.append(medians)
+                identical &= same
+    if lightning_python and ranks > 1:
+        # The torchrun trials are over: each Lightning run is compared with their median.
+        hand = statistics.median(t["hand"] for t in trial_list)
+        for trial in trial_list:
+            lightning = _lightning_median(lightning_python, kind, steps, ranks)
+            trial["lightning"] = lightning * trial["hand"] / hand
+    return summarize(trial_list, identical, model=kind, steps=steps, ranks=ranks)
+
+
+def _lightning_median(python: str, kind: str, steps: int, ranks: int) -> float:
+    return statistics.median(lightning_steps.run(python, kind, steps, ranks)[WARMUP:])
+
+
+def _torchrun_trials(kind: str, steps: int, trials: int,
+                     ranks: int) -> tuple[list[dict[str, float]], bool]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "trials.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                           os.environ.get("PYTHONPATH")]))}
+        subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc_per_node={ranks}", "-m", "benchmarks.step_overhead", "--worker",
+             "--model", kind, "--steps", str(steps), "--trials", str(trials), "--out", str(out)],
+            env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+        result = json.loads(out.read_text())
+    return result["trials"], result["identical"]
+
+
+def worker(kind: str, steps: int, trials: int, out: Path) -> None:
+    """One rank of ``--ranks N``: the trials on a process group shared by all variants."""
+    dist.init_process_group("gloo")
+    try:
+        trial_list, identical = [], True
+        with tempfile.TemporaryDirectory() as tmp:
+            workdir = [tmp]
+            dist.broadcast_object_list(workdir, src=0)  # rank 0's directory for all ranks
+            for index in range(trials):
+                medians, same = trial_medians(kind, steps, Path(workdir[0]) / str(index))
+                trial_list.append(medians)
+                identical &= same
+            dist.barrier()  # rank 0's directory outlives every rank's last checkpoint
+        if dist.get_rank() == 0:
+            out.write_text(json.dumps({"trials": trial_list, "identical": identical}))
+    finally:
+        dist.barrier()  # gloo may abort a process that leaves before its peer
+        dist.destroy_process_group()
+
+
+def markdown(result: dict[str, Any]) -> list[str]:
+    where = "1 process" if result["ranks"] == 1 else f"DDP, {result['ranks']} ranks"
+    hand_ms = result["median_step_seconds"]["hand"] * 1e3
+    rows = [f"| {result['model']}, {where}: hand-written loop | {hand_ms:.2f} ms/step |"]
+    labels = {"base": "BaseTrainer", "dream": "DreamTrainer", "lightning": "Lightning Trainer"}
+    for name, ratio in result["ratio_to_hand"].items():
+        low, high = result["ratio_spread"][name]
+        rows.append(f"| {result['model']}, {where}: {labels[name]} / hand-written | "
+                    f"{ratio:.3f} ({low:.3f}-{high:.3f}) |")
+    return rows
 
 
 def main() -> None:
@@ -162,9 +217,17 @@ def main() -> None:
     parser.add_argument("--model", choices=["mlp", "transformer"], default="mlp")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--lightning-python", help="interpreter of a venv with lightning")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    result = measure(args.model, args.steps, args.trials)
-    print(result)
+    if args.worker:
+        worker(args.model, args.steps, args.trials, args.out)
+        return
+    result = measure(args.model, args.steps, args.trials, args.ranks, args.lightning_python)
+    print(json.dumps(result, indent=2))
+    print("\n".join(markdown(result)))
 
 
 if __name__ == "__main__":

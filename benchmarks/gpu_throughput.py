@@ -1,0 +1,212 @@
+"""Tokens/s and MFU of a GPT-style model on one GPU: a hand-written loop vs ``DreamTrainer``.
+
+Both train the same ~0.9B-parameter decoder (``benchmarks.gpt``) with float32 master weights,
+bfloat16 autocast, each block compiled with ``torch.compile``, fused AdamW and gradient
+clipping at 1.0, on the same pre-generated token batches already on the GPU (so the data
+path is not measured). ``DreamTrainer`` runs with its default callbacks and JSON logging, and
+once with no callbacks; no checkpoint is written inside the timed steps (fit's final one is
+deleted after each run). Trials alternate between the variants so drift affects all alike.
+
+    python -m benchmarks.gpu_throughput [--steps 30] [--warmup 10] [--trials 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.gpt import GPT, GPTShape, init_gpt, lm_loss
+from dream_trainer import DreamTrainer, DreamTrainerConfig
+from dream_trainer.callbacks import CallbackCollection
+from dream_trainer.configs import (CheckpointParameters, DeviceParameters, LoggingParameters,
+                                   TrainingParameters)
+
+SEED, LR, CLIP = 0, 3e-4, 1.0
+# Dense bfloat16 peak of the SXM parts (NVIDIA's datasheets; H200 has the H100's compute).
+PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+
+
+def peak_flops(device_name: str) -> float | None:
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in device_name), None)
+
+
+def make_batches(shape: GPTShape, batch_size: int, n: int) -> list[tuple[torch.Tensor, ...]]:
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    tokens = torch.randint(0, shape.vocab, (n, batch_size, shape.seq_len + 1), device="cuda",
+                           generator=generator)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def compile_blocks(model: GPT) -> None:
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = torch.compile(block)
+
+
+def fresh_memory_stats() -> None:
+    """Free what the previous run left (trainers hold reference cycles), then reset the peak."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def hand_written(shape: GPTShape, batches: list[Any], warmup: int) -> dict[str, Any]:
+    fresh_memory_stats()
+    torch.manual_seed(SEED)
+    model = GPT(shape).cuda()
+    init_gpt(model)
+    compile_blocks(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    start = 0.0
+    for index, (tokens, targets) in enumerate(batches):
+        if index == warmup:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = lm_loss(model(tokens), targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"seconds": seconds, "final_loss": loss.item(), "n_params": n_params,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+class BenchConfig(DreamTrainerConfig):
+    warmup: int
+
+
+class GPTBench(DreamTrainer):
+    config: BenchConfig
+
+    def __init__(self, config: BenchConfig, shape: GPTShape, batches: list[Any]) -> None:
+        super().__init__(config)
+        self.shape, self.batches = shape, batches
+        self.start = self.end = 0.0
+        self.last_loss: torch.Tensor | None = None
+
+    def configure_models(self) -> None:
+        self.model = GPT(self.shape)
+
+    def init_weights(self) -> None:
+        init_gpt(self.model)
+
+    def configure_optimizers(self) -> None:
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, fused=True)
+
+    def configure_dataloaders(self) -> tuple[list[Any], None]:
+        return self.batches, None
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        if batch_idx == self.config.warmup:
+            torch.cuda.synchronize()
+            self.start = time.perf_counter()
+        tokens, targets = batch
+        loss = lm_loss(self.model(tokens), targets)
+        self.backward(loss)
+        grad_norm = self.step(self.model, self.optimizer)
+        self.last_loss = loss.detach()
+        return {"loss": loss, "grad_norm": grad_norm}
+
+    def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
+        super().post_train_batch(result, batch_idx)
+        if batch_idx == len(self.batches) - 1:  # stop the clock before fit()'s teardown
+            torch.cuda.synchronize()
+            self.end = time.perf_counter()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        return {}
+
+
+def dream(shape: GPTShape, batches: list[Any], warmup: int, batch_size: int,
+          workdir: Path, default_callbacks: bool = True) -> dict[str, Any]:
+    extra = {} if default_callbacks else {"callbacks": CallbackCollection()}
+    config = BenchConfig(**extra,
+        project="bench", group="gpu", experiment="gpt", seed=SEED, warmup=warmup,
+        device_parameters=DeviceParameters(param_dtype=torch.bfloat16, compile_model=True),
+        training_parameters=TrainingParameters(n_epochs=1, train_batch_size=batch_size,
+                                               gradient_clip_val=CLIP),
+        checkpoint_parameters=CheckpointParameters(root_dir=workdir, every_n_epochs=None),
+        logging_parameters=LoggingParameters(log_dir=workdir))
+    trainer = GPTBench(config, shape, batches)
+    fresh_memory_stats()
+    trainer.fit()
+    shutil.rmtree(workdir)  # fit() always ends with a checkpoint: ~12 GB at this size
+    assert trainer.last_loss is not None
+    return {"seconds": trainer.end - trainer.start, "final_loss": trainer.last_loss.item(),
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def measure(shape: GPTShape, batch_size: int, steps: int, warmup: int,
+            trials: int) -> dict[str, Any]:
+    batches = make_batches(shape, batch_size, warmup + steps)
+    tokens_per_step = batch_size * shape.seq_len
+    runs: dict[str, list[dict[str, Any]]] = {"hand": [], "dream": [], "dream_no_callbacks": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for trial in range(trials):
+            runs["hand"].append(hand_written(shape, batches, warmup))
+            runs["dream"].append(dream(shape, batches, warmup, batch_size, Path(tmp) / str(trial)))
+            runs["dream_no_callbacks"].append(dream(shape, batches, warmup, batch_size,
+                                                    Path(tmp) / f"{trial}-bare", False))
+    n_params = runs["hand"][0]["n_params"]
+    flops_per_token = shape.flops_per_token(n_params)
+    device = torch.cuda.get_device_name()
+    peak = peak_flops(device)
+    result: dict[str, Any] = {
+        "device": device, "torch": torch.__version__, "shape": asdict(shape),
+        "batch_size": batch_size, "steps": steps, "warmup": warmup, "trials": trials,
+        "n_params": n_params, "flops_per_token": flops_per_token, "peak_flops": peak,
+    }
+    for name, trial_runs in runs.items():
+        rates = [steps * tokens_per_step / run["seconds"] for run in trial_runs]
+        tokens_per_second = statistics.median(rates)
+        result[name] = {
+            "tokens_per_second": tokens_per_second,
+            "tokens_per_second_trials": rates,
+            "mfu": None if peak is None else tokens_per_second * flops_per_token / peak,
+            "final_loss": [run["final_loss"] for run in trial_runs],
+            "peak_memory_gib": max(run["peak_memory_gib"] for run in trial_runs),
+        }
+    for name in ("dream", "dream_no_callbacks"):
+        result[f"{name}_over_hand_throughput"] = (result[name]["tokens_per_second"]
+                                                  / result["hand"]["tokens_per_second"])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.gpu_throughput needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    shape = GPTShape(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                     seq_len=args.seq_len)
+    result = measure(shape, args.batch_size, args.steps, args.warmup, args.trials)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""``python -m benchmarks --quick`` runs every benchmark end to end and writes its report.
+
+Quick mode measures nothing worth publishing (a few steps, tiny sizes); it keeps the harness
+and every benchmark module from rotting. Lightning runs from its own interpreter when one is
+available (``make test`` builds it; see tests/benchmarks/test_lightning_steps.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.benchmarks.test_lightning_steps import LIGHTNING_PYTHON
+from tests.helpers.launch import REPO, check, child_env
+
+SECTIONS = {"step_overhead/mlp/1", "step_overhead/mlp/2", "startup", "training_memory",
+            "meta_init_memory", "checkpoint_speed", "gpu_throughput"}
+
+
+def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path)]
+    if LIGHTNING_PYTHON:
+        command += ["--lightning-python", LIGHTNING_PYTHON]
+    check(subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True,
+                         timeout=600))
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["quick"] is True
+    assert set(results["sections"]) == SECTIONS
+    for ranks in (1, 2):
+        overhead = results["sections"][f"step_overhead/mlp/{ranks}"]
+        # (b) trains exactly what the hand-written loop trains, also under DDP.
+        assert overhead["base_weights_identical_to_hand"] is True
+        expected = {"base", "dream"} | ({"lightning"} if LIGHTNING_PYTHON else set())
+        assert set(overhead["ratio_to_hand"]) == expected
+        assert all(math.isfinite(r) and r > 0 for r in overhead["ratio_to_hand"].values())
+    imports = results["sections"]["startup"]["imports"]
+    assert math.isfinite(imports["ratio_dream_trainer_to_torch"]["median"])
+    memory = results["sections"]["training_memory"]
+    assert memory["ratio_peak_above_baseline"]["median"] > 0
+    assert results["sections"]["checkpoint_speed"]["ratios"]
+    # Without a GPU the last recorded GPU run is reported, with the device it ran on.
+    gpu = results["sections"]["gpu_throughput"]
+    assert gpu is None or "device" in gpu
+    table = (tmp_path / "results.md").read_text().splitlines()
+    assert table[:2] == ["| Benchmark | Figure |", "|---|---|"]
+    assert any("BaseTrainer / hand-written" in row for row in table)
+    assert any("import dream_trainer" in row for row in table)
