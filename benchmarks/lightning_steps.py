@@ -31,7 +31,6 @@ import argparse
 import hashlib
 import json
 import logging
-import os
 import statistics
 import subprocess
 
@@ -46,11 +45,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from benchmarks.processes import REPO_ROOT, child_env
 from benchmarks.workloads import (BATCH, LR, MODELS, SEED, build_model, dataset, hand_written,
                                   init_weights)
 
 WARMUP = 20
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def weights_sha(model: nn.Module) -> str:
@@ -145,9 +144,7 @@ def launch(python: str, kind: str, steps: int, devices: int) -> dict[str, Any]:
     Raises:
         RuntimeError: the runner failed, with its output.
     """
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = child_env()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "lightning.json"
         command = [python, "-m", "benchmarks.lightning_steps", "--model", kind,

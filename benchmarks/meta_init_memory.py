@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ import torch.distributed.tensor  # noqa: F401
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.processes import current_rss_bytes, peak_rss_bytes
+
 from dream_trainer import BaseTrainer, BaseTrainerConfig
 from dream_trainer.configs import DeviceParameters, TrainingParameters
 from dream_trainer.mixins import SetupConfigMixin, SetupMixin
@@ -37,16 +38,6 @@ WIDTH = 2048
 LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 4
 
 
-def current_rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 class MemoryConfig(BaseTrainerConfig, SetupConfigMixin):

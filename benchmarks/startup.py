@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -35,20 +34,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.processes import REPO_ROOT, child_env
+
 MARKER = "benchmarks.startup: reached"
-REPO_ROOT = Path(__file__).resolve().parents[1]
 IMPORT_GOAL = 1.10
 VARIANTS = ("hand", "base", "dream", "lightning")
 TINY_STEP = ("model = torch.nn.Linear(8, 8); model(torch.zeros(2, 8)).sum().backward(); "
              "torch.optim.AdamW(model.parameters()).step()")
-
-
-def child_env() -> dict[str, str]:
-    """This environment with the repository importable and one thread per process."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
 
 
 def time_to_marker(command: list[str]) -> float:

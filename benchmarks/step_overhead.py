@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from benchmarks import lightning_steps
+from benchmarks.processes import REPO_ROOT, child_env
 from benchmarks.workloads import (BATCH, LR, SEED, build_model, dataset, hand_written,
                                   init_weights)
 from dream_trainer import BaseTrainer, BaseTrainerConfig, DreamTrainer, DreamTrainerConfig
@@ -43,7 +43,6 @@ from dream_trainer.configs import CheckpointParameters, LoggingParameters, Train
 from dream_trainer.mixins import SetupConfigMixin, SetupMixin
 
 WARMUP = 20
-REPO = Path(__file__).resolve().parent.parent
 
 
 class BenchConfig(BaseTrainerConfig, SetupConfigMixin):
@@ -168,14 +167,12 @@ def _torchrun_trials(kind: str, steps: int, trials: int,
                      ranks: int) -> tuple[list[dict[str, float]], bool]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "trials.json"
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
-                                                           os.environ.get("PYTHONPATH")]))}
+        env = {**child_env(), "OMP_NUM_THREADS": "1"}
         subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
              f"--nproc_per_node={ranks}", "-m", "benchmarks.step_overhead", "--worker",
              "--model", kind, "--steps", str(steps), "--trials", str(trials), "--out", str(out)],
-            env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+            env=env, cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL, timeout=1800)
         result = json.loads(out.read_text())
     return result["trials"], result["identical"]
 

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -38,24 +36,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.processes import REPO_ROOT, child_env, current_rss_bytes, peak_rss_bytes
 from benchmarks.workloads import BATCH, LR, SEED
 
 WIDTH = 1024
 LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 4
 GOAL = 1.01
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def current_rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def build_model(layers: int) -> nn.Module:
@@ -149,9 +137,7 @@ def run_child(variant: str, layers: int, steps: int, out: Path) -> dict[str, int
     Raises:
         RuntimeError: the child failed, with its output.
     """
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = child_env()
     # glibc raises its mmap threshold whenever an mmapped block is freed; blocks of that size
     # then come from the heap and, once freed, stay in RSS by chance, so identical runs peaked
     # up to 25 MiB apart. A fixed threshold returns every freed tensor of 128 KiB or more to
