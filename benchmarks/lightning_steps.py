@@ -11,8 +11,8 @@ published figure is a ratio measured in one run.
 
 What Lightning trains is the hand loop's: the same model and initialization
 (``init_weights``), AdamW, an unshuffled DataLoader of ``steps * BATCH * devices`` samples,
-cross entropy, and the same ``get_total_norm`` of the gradients (in ``on_before_optimizer_step``, where Lightning exposes
-them before the optimizer steps). A step is timed from ``on_train_batch_start`` to
+cross entropy, and the same ``get_total_norm`` of the gradients (in
+``on_before_optimizer_step``, where Lightning exposes them before the optimizer steps). A step is timed from ``on_train_batch_start`` to
 ``on_train_batch_end``: forward, backward, norm, optimizer step, zeroing, and Lightning's own
 bookkeeping between those hooks. On one process the final weights equal the hand loop's bit
 for bit: Lightning's 32-bit precision calls ``loss.backward()`` and ``optimizer.step()``

@@ -81,8 +81,9 @@ class EMA(Callback):
         if not keys:
             return
         with torch.no_grad():
-            torch._foreach_lerp_([local_tensor(self._shadows[key]) for key in keys],
-                                 [local_tensor(self._params[key]) for key in keys], 1.0 - self.decay)
+            shadows = [local_tensor(self._shadows[key]) for key in keys]
+            params = [local_tensor(self._params[key]) for key in keys]
+            torch._foreach_lerp_(shadows, params, 1.0 - self.decay)
         self.num_updates += 1
 
     @override
@@ -92,7 +93,8 @@ class EMA(Callback):
         with torch.no_grad():
             params = [local_tensor(param) for param in self._params.values()]
             self._backup = [param.clone() for param in params]
-            torch._foreach_copy_(params, [local_tensor(shadow) for shadow in self._shadows.values()])
+            shadows = [local_tensor(shadow) for shadow in self._shadows.values()]
+            torch._foreach_copy_(params, shadows)
 
     @override
     def post_val_epoch(self, result: dict[str, Any]) -> None:
