@@ -44,27 +44,34 @@ class ProgressBar(RankZeroCallback):
 
     Args:
         refresh_every_n_steps: Update the display every this many optimizer steps (and at
-            the last one). Each update reads the loss from the device, a host sync.
+            the first and the last). ``None`` (the default) updates it once at least
+            ``refresh_seconds`` have passed since the last update instead, so that a fast
+            loop is not held up: each update reads the loss from the device, a host sync.
+        refresh_seconds: With ``refresh_every_n_steps=None``, the least time between updates.
         smoothing: Weight of the newest optimizer step in the exponential moving averages of
             the loss (the mean of ``result["loss"]`` over the step's micro-batches) and of
             the step time that throughput and ETA derive from.
         stream: Where to write; ``sys.stdout`` (looked up when writing) by default.
 
     Raises:
-        ValueError: if ``refresh_every_n_steps < 1`` or ``smoothing`` is not in (0, 1].
+        ValueError: if ``refresh_every_n_steps < 1``, ``refresh_seconds < 0`` or ``smoothing``
+            is not in (0, 1].
     """
 
     trainer: BaseTrainer
 
-    def __init__(self, refresh_every_n_steps: int = 1, smoothing: float = 0.1,
-                 stream: TextIO | None = None) -> None:
-        if refresh_every_n_steps < 1:
-            raise ValueError("ProgressBar refresh_every_n_steps must be at least 1, got "
-                             f"{refresh_every_n_steps}")
+    def __init__(self, refresh_every_n_steps: int | None = None, smoothing: float = 0.1,
+                 stream: TextIO | None = None, refresh_seconds: float = 1.0) -> None:
+        if refresh_every_n_steps is not None and refresh_every_n_steps < 1:
+            raise ValueError("ProgressBar refresh_every_n_steps must be at least 1 (or None "
+                             f"to refresh by time), got {refresh_every_n_steps}")
+        if refresh_seconds < 0:
+            raise ValueError(f"ProgressBar refresh_seconds must be >= 0, got {refresh_seconds}")
         if not 0 < smoothing <= 1:
             raise ValueError(f"ProgressBar smoothing must be in (0, 1], got {smoothing}: it is "
                              "the weight of the newest step (1 means no smoothing)")
         self.refresh_every_n_steps = refresh_every_n_steps
+        self.refresh_seconds = refresh_seconds
         self.smoothing = smoothing
         self._stream = stream
         self._progress: Progress | None = None
@@ -82,6 +89,7 @@ class ProgressBar(RankZeroCallback):
         # Step time: measured from the last refresh (time and step), validation excluded.
         self._mark_time: float | None = None
         self._mark_step = 0
+        self._fit_start_step = 0
         self._val_start: float | None = None
         self._step_time_ema: float | None = None
 
@@ -101,6 +109,7 @@ class ProgressBar(RankZeroCallback):
                                  math.ceil(self._total_steps / self._steps_per_epoch))
         self._loss_ema = self._step_time_ema = None
         self._mark_time, self._mark_step = time.perf_counter(), self.trainer.global_step
+        self._fit_start_step = self.trainer.global_step
         if self.stream.isatty():
             self._start_live()
 
@@ -131,7 +140,7 @@ class ProgressBar(RankZeroCallback):
                               else torch.lerp(self._loss_ema, step_loss, self.smoothing))
         self._window_loss, self._window_batches = None, 0
         step = self.trainer.global_step
-        if step % self.refresh_every_n_steps == 0 or step == self._total_steps:
+        if self._due(step):
             self._refresh(step)
 
     @override
@@ -161,6 +170,17 @@ class ProgressBar(RankZeroCallback):
         self._stop_live()
 
     # -- measuring and rendering ------------------------------------------------------------------
+    def _due(self, step: int) -> bool:
+        if step == self._total_steps:
+            return True
+        if self.refresh_every_n_steps is not None:
+            return step % self.refresh_every_n_steps == 0
+        # By time, the first step shows at once; _mark_time is the last refresh (validation
+        # excluded), and reading the clock is no sync.
+        assert self._mark_time is not None, "pre_fit sets the time mark before any step"
+        return (step == self._fit_start_step + 1
+                or time.perf_counter() - self._mark_time >= self.refresh_seconds)
+
     def _refresh(self, step: int) -> None:
         status = self._status(step)
         if self._progress is None:

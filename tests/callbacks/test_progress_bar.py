@@ -101,6 +101,18 @@ def test_max_steps_sets_the_totals_and_the_last_step_refreshes(
     assert re.search(r" 8\.0 samples/s eta 0:00:02$", lines[0])
 
 
+def test_by_default_the_display_refreshes_by_time_not_every_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # 0.4 s a step, refreshes at least 1 s apart: the first step, then every third, and the
+    # last (8 steps). A fast loop is not held up by a host sync every step.
+    bar = ProgressBar(stream=io.StringIO())
+    lines = fit_plain(monkeypatch, bar, FakeClock(0.4), n_samples=64)
+    steps = [int(re.search(r"step (\d+)/8", line).group(1))  # type: ignore[union-attr]
+             for line in lines if line.startswith("epoch")]
+    assert steps == [1, 4, 7, 8]
+    assert ProgressBar(refresh_seconds=0.0).refresh_seconds == 0.0
+
+
 def test_mid_epoch_validation_names_its_step_and_sanity_checks_are_silent(
         monkeypatch: pytest.MonkeyPatch) -> None:
     bar = ProgressBar(refresh_every_n_steps=100, stream=io.StringIO())
@@ -125,7 +137,7 @@ def test_results_without_a_loss_show_speed_only(monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.mark.parametrize("kwargs", [{"refresh_every_n_steps": 0}, {"smoothing": 0.0},
-                                    {"smoothing": 1.5}])
+                                    {"smoothing": 1.5}, {"refresh_seconds": -1.0}])
 def test_invalid_settings_are_rejected(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         ProgressBar(**kwargs)
