@@ -205,18 +205,11 @@ class ProgressBar(RankZeroCallback):
             self._mark_time, self._mark_step = now, step
         parts = [] if self._loss_ema is None else [f"loss {float(self._loss_ema):.4f}"]
         if self._step_time_ema is not None:
-            throughput = (self._samples_per_step / self._step_time_ema
+            throughput = (self.trainer.global_batch_size / self._step_time_ema
                           if self._step_time_ema > 0 else math.inf)
             eta = timedelta(seconds=round((self._total_steps - step) * self._step_time_ema))
             parts += [f"{throughput:.1f} samples/s", f"eta {eta}"]
         return " ".join(parts)
-
-    @property
-    def _samples_per_step(self) -> int:
-        """Samples in one optimizer step over every data-parallel rank."""
-        params = self.trainer.training_parameters
-        return (params.train_batch_size * params.gradient_accumulation_steps
-                * self.trainer.world.dp_size)
 
     def _print(self, line: str) -> None:
         if self._progress is not None:

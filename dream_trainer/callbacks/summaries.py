@@ -160,8 +160,7 @@ class TrainerSummary(RankZeroCallback):
             "tensor_parallel": dims.tp,
             "batch_size_per_rank": params.train_batch_size,
             "gradient_accumulation_steps": params.gradient_accumulation_steps,
-            "global_batch_size": (params.train_batch_size * params.gradient_accumulation_steps
-                                  * trainer.world.dp_size),
+            "global_batch_size": trainer.global_batch_size,
             "optimizer_steps_per_epoch": steps_per_epoch,
             "n_epochs": params.n_epochs,
             "total_optimizer_steps": planned_optimizer_steps(params, steps_per_epoch),

@@ -96,10 +96,8 @@ class Throughput(RankZeroCallback):
 
     # -- measuring -----------------------------------------------------------------------------
     def _measure(self) -> dict[str, float]:
-        params = self.trainer.training_parameters
         world = self.trainer.world
-        samples_per_step = (params.train_batch_size * params.gradient_accumulation_steps
-                            * world.dp_size)
+        samples_per_step = self.trainer.global_batch_size
         seconds = sum(self._step_times)
         steps = len(self._step_times)
         samples_per_second = _rate(samples_per_step * steps, seconds)

@@ -89,7 +89,7 @@ class _Synchronize(RankZeroCallback):
 def _figures(trainer: BaseTrainer, warmup: int, times: list[float]) -> dict[str, Any]:
     params = trainer.training_parameters
     world = trainer.world
-    samples_per_step = params.train_batch_size * params.gradient_accumulation_steps * world.dp_size
+    samples_per_step = trainer.global_batch_size
     steps_per_second = len(times) / sum(times)
     quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     return {

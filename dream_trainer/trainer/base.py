@@ -202,6 +202,12 @@ class BaseTrainer(AbstractTrainer):
         """Samples in one micro-batch over every data-parallel rank."""
         return self.training_parameters.train_batch_size * self.world.dp_size
 
+    @property
+    def global_batch_size(self) -> int:
+        """Samples in one optimizer step over every data-parallel rank:
+        ``train_batch_size * gradient_accumulation_steps * dp_size`` (after launch)."""
+        return self._samples_per_batch * self.training_parameters.gradient_accumulation_steps
+
     def _train_batch(self, batch: Any, batch_idx: int, averager: ResultAverager) -> None:
         self._batch_idx = batch_idx
         if self.training_parameters.gradient_accumulation_steps > 1:
@@ -455,7 +461,7 @@ class BaseTrainer(AbstractTrainer):
         self.current_epoch = int(state_dict["current_epoch"])
         samples = int(state_dict.get("batch_in_epoch", 0)) * int(
             state_dict.get("samples_per_batch", self._samples_per_batch))
-        window = self._samples_per_batch * self.training_parameters.gradient_accumulation_steps
+        window = self.global_batch_size
         if samples % window:
             raise ValueError(
                 f"cannot resume mid-epoch: the checkpoint's run had read {samples} samples of "
