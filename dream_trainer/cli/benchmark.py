@@ -15,7 +15,7 @@ from typing_extensions import override
 from dream_trainer.callbacks.callback import RankZeroCallback
 from dream_trainer.callbacks.throughput import Throughput
 from dream_trainer.cli.arguments import add_target, non_negative_int, positive_int
-from dream_trainer.cli.session import attach, sandboxed
+from dream_trainer.cli.session import train_steps
 from dream_trainer.cli.target import load_trainer
 from dream_trainer.trainer.base import BaseTrainer
 
@@ -45,10 +45,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     trainer = load_trainer(args.target, overrides)
     total = args.warmup + args.steps
     throughput = Throughput(window=total)
-    # Each epoch has at least one step, so `total` epochs always reach max_steps.
-    with sandboxed(trainer, max_steps=total, n_epochs=total):
-        attach(trainer, _Synchronize(), throughput)
-        trainer.fit()
+    train_steps(trainer, total, _Synchronize(), throughput)
     if not trainer.world.is_rank_zero:
         return 0
     times = throughput.step_times[args.warmup:]

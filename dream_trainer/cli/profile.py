@@ -9,7 +9,7 @@ from typing import Any
 
 from dream_trainer.callbacks.profiler import Profiler
 from dream_trainer.cli.arguments import add_target, positive_int
-from dream_trainer.cli.session import attach, sandboxed
+from dream_trainer.cli.session import train_steps
 from dream_trainer.cli.target import load_trainer
 
 
@@ -39,9 +39,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     trainer = load_trainer(args.target, overrides)
     total = args.warmup + args.steps
     profiler = Profiler(start_step=args.warmup, num_steps=args.steps, output_dir=args.out)
-    with sandboxed(trainer, max_steps=total, n_epochs=total):
-        attach(trainer, profiler)
-        trainer.fit()
+    train_steps(trainer, total, profiler)
     if not trainer.world.is_rank_zero:
         return 0
     if profiler.trace_path is None or profiler.summary_path is None:

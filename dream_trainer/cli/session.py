@@ -82,6 +82,14 @@ def sandboxed(trainer: BaseTrainer, **training: Any) -> Iterator[Sandbox]:
             shutil.rmtree(sandbox.directory, ignore_errors=True)
 
 
+def train_steps(trainer: BaseTrainer, steps: int, *callbacks: Callback[Any]) -> None:
+    """``fit()`` for exactly ``steps`` optimizer steps in the sandbox, with ``callbacks``
+    added; each epoch has at least one step, so ``steps`` epochs always reach them."""
+    with sandboxed(trainer, max_steps=steps, n_epochs=steps):
+        attach(trainer, *callbacks)
+        trainer.fit()
+
+
 @contextmanager
 def set_up(trainer: BaseTrainer) -> Iterator[None]:
     """``fit()`` up to the end of setup, its hooks included, without training.
