@@ -19,6 +19,7 @@ from dream_trainer.parallel.data_parallel import DataParallelBackend, backend_fo
 from dream_trainer.parallel.grad_norm import clip_grad_norm
 from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainer, AbstractTrainerConfig, StopTraining
+from dream_trainer.trainer.item_weighting import ItemWeighting
 from dream_trainer.utils.averaging import ResultAverager
 from dream_trainer.utils.batch import move_to_device
 from dream_trainer.utils.dataloader import (epoch_batches, has_resumable_sampler,
@@ -59,6 +60,7 @@ class BaseTrainer(AbstractTrainer):
         self.world = DistributedWorld(config.device_parameters)
         self.data_parallel: DataParallelBackend = backend_for(self.world.dims)
         self.precision = Precision(config.device_parameters, self.world.dims, self.world.device)
+        self.item_weighting = ItemWeighting(self.world.device)
         self.callbacks = CallbackCollection(config.callbacks)
         self.training = False
         self.sanity_checking = False
@@ -210,6 +212,9 @@ class BaseTrainer(AbstractTrainer):
 
     def _train_batch(self, batch: Any, batch_idx: int, averager: ResultAverager) -> None:
         self._batch_idx = batch_idx
+        if batch_idx % self.training_parameters.gradient_accumulation_steps == 0:
+            self.item_weighting.start_window()
+        self.item_weighting.start_micro_batch()
         if self.training_parameters.gradient_accumulation_steps > 1:
             sync = not self.is_accumulating_gradients
             for model in self.named_models().values():
@@ -252,26 +257,44 @@ class BaseTrainer(AbstractTrainer):
             optimizer.zero_grad(set_to_none=True)
 
     # -- the step API ----------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` scaled by ``1 / gradient_accumulation_steps``.
+    def backward(self, loss: torch.Tensor, num_items: int | torch.Tensor | None = None) -> None:
+        """Backpropagate ``loss`` so that the optimizer step sees the right average.
 
-        With float16 the loss is also multiplied by the gradient scaler's scale. Gradient
-        synchronisation is already disabled on accumulating micro-batches.
+        Without ``num_items``, ``loss`` is a mean over the micro-batch and is scaled by
+        ``1 / gradient_accumulation_steps``: the update is the mean over micro-batches and
+        ranks. With ``num_items=n``, ``loss`` is a *sum* over ``n`` items (valid tokens,
+        say): ``step()`` then scales the gradients so that the update is the mean over every
+        item of the global batch, however the items fall across micro-batches and ranks (see
+        ``ItemWeighting``). With float16 the loss is also multiplied by the gradient scaler's
+        scale. Gradient synchronisation is already disabled on accumulating micro-batches.
+
+        Args:
+            loss: A 0-dim loss tensor.
+            num_items: How many items ``loss`` sums over (an int or a 0-dim tensor; a tensor
+                is never read on the host).
 
         Raises:
             RuntimeError: if called outside a training step.
+            ValueError: if one accumulation window mixes calls with and without
+                ``num_items``.
         """
         if not self.training:
             raise RuntimeError("backward() may only be called inside training_step")
-        accumulation = self.training_parameters.gradient_accumulation_steps
-        self.precision.scale(loss / accumulation if accumulation > 1 else loss).backward()
+        if num_items is None:
+            self.item_weighting.note_unweighted()
+            accumulation = self.training_parameters.gradient_accumulation_steps
+            loss = loss / accumulation if accumulation > 1 else loss
+        else:
+            self.item_weighting.add(num_items)
+        self.precision.scale(loss).backward()
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: LRScheduler | None = None) -> torch.Tensor:
         """Unscale (float16), clip, step the optimizer, zero the gradients, step the scheduler.
 
         With float16 a step whose gradients overflowed is skipped by the scaler and counted in
-        ``precision.skipped_steps``.
+        ``precision.skipped_steps``. After ``backward(loss, num_items=n)`` the gradients are
+        first scaled to the mean over every item of the global batch.
 
         Args:
             model: The model whose gradient norm is measured and clipped.
@@ -292,6 +315,11 @@ class BaseTrainer(AbstractTrainer):
             )
         self._fire("pre_optimizer_step", model, optimizer)
         self.precision.unscale_(optimizer)
+        if self.item_weighting.active:
+            dp_mesh = self.world.dp_mesh
+            self.item_weighting.scale_gradients(
+                model.parameters(), None if dp_mesh is None else dp_mesh.get_group(),
+                self.world.dp_size)
         grad_norm = clip_grad_norm(model.parameters(), self.training_parameters.gradient_clip_val)
         self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
