@@ -21,7 +21,7 @@ from dream_trainer.parallel.materialize import (FullTensorInit, any_rank_failed,
                                                 find_uninitialized, has_meta_tensors,
                                                 materialize)
 from dream_trainer.trainer.abstract import AbstractTrainer
-from dream_trainer.utils.dataloader import prepare_loader
+from dream_trainer.data.loaders import prepare_loader
 from dream_trainer.world.dims import MeshAxis
 
 logger = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainer, AbstractTrainerConfig, StopTraining
 from dream_trainer.trainer.item_weighting import ItemWeighting
 from dream_trainer.utils.averaging import ResultAverager
-from dream_trainer.utils.batch import move_to_device
-from dream_trainer.utils.dataloader import (epoch_batches, has_resumable_sampler,
+from dream_trainer.data.batch import move_to_device
+from dream_trainer.data.loaders import (epoch_batches, has_resumable_sampler,
                                             numbered_batches, set_sampler_epoch)
 from dream_trainer.world.world import DistributedWorld
 

@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 # and the launch; every rank restarts and launches the same number of times.
 _LAUNCH_COUNTER = itertools.count()
 
+_SHARD_TP = f"{MeshAxis.DP_SHARD.value}_{MeshAxis.TP.value}"
+
 
 class DistributedWorld:
     """The topology of a run: who this process is, which device it drives, and the mesh.
@@ -166,6 +168,11 @@ class DistributedWorld:
         if self.dims.dp_replicate > 1 and self.dims.dp_shard > 1:
             dp = self.mesh[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]
             self._flat_meshes[MeshAxis.DP] = dp._flatten(MeshAxis.DP.value)
+        if self.dims.dp_shard > 1 and self.dims.tp > 1:
+            # Parameters and gradients of FSDP2 x TP are sharded over both axes: with a
+            # flattened mesh registered, DTensor gathers and reduces them (the gradient norm,
+            # full_tensor()) in one collective instead of one per axis (and stops warning).
+            self.mesh[(MeshAxis.DP_SHARD.value, MeshAxis.TP.value)]._flatten(_SHARD_TP)
 
     def seed(self, seed: int | None) -> None:
         """Seed python, numpy and torch (every device) with the same seed on every rank.

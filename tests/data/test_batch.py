@@ -6,7 +6,7 @@ from collections import OrderedDict, defaultdict, namedtuple
 
 import torch
 
-from dream_trainer.utils.batch import move_to_device
+from dream_trainer.data.batch import move_to_device
 
 Pair = namedtuple("Pair", ["x", "y"])
 
