@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 class EarlyStopping(Callback):
     """Stop ``fit()`` on every rank when ``monitor`` has not improved for ``patience`` checks.
 
-    A check happens after each validation pass (sanity checks excluded). A key missing from the
+    A check happens after each of the loop's validation passes (sanity checks and extra
+    passes run by ``evaluate()`` or ``run_validation()`` excluded). A key missing from the
     validation results is looked up in the latest training epoch results, each of which is
     checked once; without a validation loader the check runs after each training epoch.
 
@@ -66,8 +67,8 @@ class EarlyStopping(Callback):
 
     @override
     def post_val_epoch(self, result: dict[str, Any]) -> None:
-        if self.trainer.sanity_checking:
-            return
+        if self.trainer.sanity_checking or self.trainer.evaluating:
+            return  # not one of the loop's validations: nothing to stop
         if self.monitor in result:
             self._check(float(result[self.monitor]))
         elif self._train_result is None:

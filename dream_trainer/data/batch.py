@@ -37,3 +37,28 @@ def _move(obj: Any, device: torch.device, non_blocking: bool) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_move(value, device, non_blocking) for value in obj)
     return obj
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """The number of samples in ``batch``: the first dimension of its first tensor (depth
+    first, in order), or the length of its first list of plain values (strings, numbers).
+
+    Returns:
+        None when the batch holds neither (a custom object).
+    """
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        values: list[Any] = list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        values = list(batch)
+        if values and not any(isinstance(v, (torch.Tensor, Mapping, list, tuple))
+                              for v in values):
+            return len(values)  # one plain value per sample, as default_collate makes strings
+    else:
+        return None
+    for value in values:
+        size = batch_size_of(value)
+        if size is not None:
+            return size
+    return None

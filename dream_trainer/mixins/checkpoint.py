@@ -120,7 +120,7 @@ class CheckpointMixin(AbstractTrainer):
         super().post_train_epoch(result)
 
     def post_val_epoch(self, result: dict[str, Any]) -> None:
-        if not self.sanity_checking:
+        if not (self.sanity_checking or self.evaluating):
             self._latest_results.update(result)
         super().post_val_epoch(result)
 

@@ -58,19 +58,21 @@ class EvalMixin(AbstractTrainer):
             metric_type = _torchmetrics().Metric, _torchmetrics().MetricCollection
             self._metric_names = [name for name in added
                                   if isinstance(getattr(self, name), metric_type)]
-        mesh = self.world.dp_mesh
         for metric in self.named_metrics().values():
             metric.to(self.world.device)
+        super().post_setup()
+
+    def pre_val_epoch(self) -> None:
+        # The group is looked up for every pass: an evaluation after fit() runs in a process
+        # group started for it, and a metric holding fit()'s destroyed group could not sync.
+        mesh = self.world.dp_mesh
+        for metric in self.named_metrics().values():
+            metric.reset()
             for leaf in _leaves(metric):
                 # Tensor-parallel ranks see the same samples: sync over data parallel only,
                 # and not at all when there is a single data-parallel rank.
                 leaf.process_group = None if mesh is None else mesh.get_group()
                 leaf.sync_on_compute = mesh is not None
-        super().post_setup()
-
-    def pre_val_epoch(self) -> None:
-        for metric in self.named_metrics().values():
-            metric.reset()
         super().pre_val_epoch()
 
     def post_val_epoch(self, result: dict[str, Any]) -> None:
@@ -96,8 +98,10 @@ class EvalMixin(AbstractTrainer):
     def evaluate(self, dataloader: Iterable[Any] | None = None) -> dict[str, float]:
         """Run a validation pass now and return its results, metrics included.
 
-        Usable during and after ``fit()`` (the process group is started for the pass and
-        torn down again when ``fit()`` is not running).
+        Usable from a hook during ``fit()`` and after it, in every parallel mode (see
+        ``run_validation``); the numbers are those of one process on the same weights and
+        data. The pass does not count as one of the loop's validations: ``EarlyStopping``
+        and checkpoint ranking ignore it.
 
         Args:
             dataloader: The loader to evaluate on; the configured validation loader when None.

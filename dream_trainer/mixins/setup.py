@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import warnings
 from abc import abstractmethod
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
@@ -27,6 +28,9 @@ from dream_trainer.world.dims import MeshAxis
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# What torch warns when load_state_dict copies into a parameter without storage.
+_META_LOAD_WARNING = "to a meta parameter in the current model, which is a no-op"
 
 
 class SetupConfigMixin(ConfigModel):
@@ -170,10 +174,24 @@ class SetupMixin(AbstractTrainer):
 
         Raises:
             ValueError: if it assigned no ``nn.Module``.
+            RuntimeError: if it loaded weights into a model (``load_state_dict`` on the meta
+                device keeps nothing): load them in ``init_weights()``.
         """
         before = dict(vars(self))
-        with torch.device("meta"):
+        with warnings.catch_warnings(record=True) as caught, torch.device("meta"):
+            warnings.simplefilter("always")
             self.configure_models()
+        for warning in caught:
+            if _META_LOAD_WARNING in str(warning.message):
+                raise RuntimeError(
+                    f"{type(self).__name__}.configure_models() loaded weights with "
+                    "load_state_dict, but it runs on the meta device, where parameters have no "
+                    "storage: the weights would be silently dropped. Load them in "
+                    "init_weights(), which runs after the models are materialized (and "
+                    "sharded), or set SetupConfigMixin.init_weights_from when there is one"
+                )
+            warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                                   warning.lineno, source=warning.source)
         self._model_names = _assigned(self, before, nn.Module)
         if not self._model_names:
             raise ValueError(
@@ -285,10 +303,14 @@ class SetupMixin(AbstractTrainer):
         train, val = loaders
         if train is None:
             raise ValueError("configure_dataloaders() returned no train loader")
+        params = self.config.training_parameters
+        _check_batch_size(train, "train", "train_batch_size", params.train_batch_size)
+        _check_batch_size(val, "validation", "val_batch_size", params.val_batch_size)
         seed = self.config.seed if self.config.seed is not None else 0
         world = self.world
         self._train_loader = prepare_loader(train, world.dp_size, world.dp_rank, seed)
-        self._val_loader = prepare_loader(val, world.dp_size, world.dp_rank, seed)
+        self._val_loader = prepare_loader(val, world.dp_size, world.dp_rank, seed,
+                                          validation=True)
 
     # -- accessors ---------------------------------------------------------------------------
     def named_models(self) -> dict[str, nn.Module]:
@@ -310,6 +332,20 @@ class SetupMixin(AbstractTrainer):
     @property
     def val_dataloader(self) -> Iterable[Any] | None:
         return self._val_loader
+
+
+def _check_batch_size(loader: Any, kind: str, field: str, expected: int | None) -> None:
+    """A loader's own batch size must be the configured one, which the loop's arithmetic
+    (global batch size, resume offsets, throughput) relies on."""
+    actual = getattr(loader, "batch_size", None)
+    if loader is None or actual is None or expected is None or actual == expected:
+        return
+    raise ValueError(
+        f"the {kind} loader has batch_size={actual} but training_parameters.{field}={expected}: "
+        f"they must agree, because the global batch size, the mid-epoch resume position and "
+        f"throughput are computed from {field}; build the loader with "
+        f"batch_size=config.training_parameters.{field}, or set {field}={actual}"
+    )
 
 
 def _assigned(owner: object, before: dict[str, Any], kind: type) -> list[str]:

@@ -52,6 +52,7 @@ class AbstractTrainer(TrainerHooks, ABC):
     callbacks: CallbackCollection
     training: bool
     sanity_checking: bool
+    evaluating: bool
     global_step: int
     local_batches: int
     current_epoch: int

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -15,15 +16,15 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from dream_trainer.callbacks.collection import CallbackCollection
 from dream_trainer.configs.training import TrainingParameters
+from dream_trainer.data.batch import batch_size_of, move_to_device
+from dream_trainer.data.loaders import (epoch_batches, has_resumable_sampler, numbered_batches,
+                                        prepare_loader, set_sampler_epoch)
 from dream_trainer.parallel.data_parallel import DataParallelBackend, backend_for
 from dream_trainer.parallel.grad_norm import clip_grad_norm
 from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainer, AbstractTrainerConfig, StopTraining
 from dream_trainer.trainer.item_weighting import ItemWeighting
-from dream_trainer.utils.averaging import ResultAverager
-from dream_trainer.data.batch import move_to_device
-from dream_trainer.data.loaders import (epoch_batches, has_resumable_sampler,
-                                            numbered_batches, set_sampler_epoch)
+from dream_trainer.utils.averaging import WEIGHT_KEY, ResultAverager
 from dream_trainer.world.world import DistributedWorld
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class BaseTrainer(AbstractTrainer):
         self.callbacks = CallbackCollection(config.callbacks)
         self.training = False
         self.sanity_checking = False
+        self.evaluating = False
         self.global_step = 0
         self.local_batches = 0
         self.current_epoch = 0
@@ -87,14 +89,11 @@ class BaseTrainer(AbstractTrainer):
         """
         completed = False
         try:
-            self._launch()
-            self._configure()
-            self._setup()
+            with _stop_is_an_error("while the run is being set up, before training started"):
+                self._launch()
+                self._configure()
+                self._setup()
             self._train()
-            completed = True
-        except StopTraining as stop:
-            logger.warning("training stopped at global step %d: %s", self.global_step, stop)
-            self._fire("post_fit")  # an early end is still the end: hooks release resources
             completed = True
         except BaseException as exc:
             self._report_failure(exc)
@@ -122,11 +121,18 @@ class BaseTrainer(AbstractTrainer):
         self._fire("post_setup")
 
     def _train(self) -> None:
-        self._fire("pre_fit")
-        self._sanity_check()
-        while self.current_epoch < self.training_parameters.n_epochs and not self._max_steps_reached():
-            self._run_epoch()
-        self._fire("post_fit")
+        """Train until the schedule or a ``StopTraining`` ends it; then ``post_fit``, once."""
+        try:
+            self._fire("pre_fit")
+            self._sanity_check()
+            while self.current_epoch < self.training_parameters.n_epochs \
+                    and not self._max_steps_reached():
+                self._run_epoch()
+        except StopTraining as stop:
+            logger.warning("training stopped at global step %d: %s", self.global_step, stop)
+        # An early end is still the end: post_fit hooks save and release resources.
+        with _stop_is_an_error("in post_fit, after training ended"):
+            self._fire("post_fit")
 
     def _sanity_check(self) -> None:
         steps = self.training_parameters.num_sanity_val_steps
@@ -228,7 +234,7 @@ class BaseTrainer(AbstractTrainer):
         if not self.is_accumulating_gradients:
             self.precision.update()
             self.global_step += 1
-        averager.update(result)
+        averager.update(result, self._result_weight(result, batch))
         self._fire("post_train_batch", result, batch_idx)
 
     def _after_optimizer_step(self) -> bool:
@@ -339,20 +345,44 @@ class BaseTrainer(AbstractTrainer):
     # -- validation ---------------------------------------------------------------------------------
     def run_validation(self, dataloader: Iterable[Any] | None = None,
                        max_batches: int | None = None) -> dict[str, float]:
-        """One validation pass (validation hooks included); returns its averaged results.
+        """Run an extra validation pass now (hooks included) and return its results.
 
-        Inside ``fit()`` it uses the running process group. Outside it starts one for the pass
-        and tears it down again; that suits plain and (once ``fit()`` unwrapped them) DDP
-        models, while FSDP2 models stay bound to ``fit()``'s group: evaluate those from a
-        hook such as ``post_fit``.
+        Usable from a hook during ``fit()`` and after it, in every parallel mode: outside
+        ``fit()`` the process group and mesh are started again for the pass (the models keep
+        their layout) and torn down after it. ``evaluating`` is True during the pass, so
+        training-control callbacks (``EarlyStopping``) and checkpoint ranking ignore it. A
+        ``dataloader`` given here is split across the data-parallel ranks like the
+        configured validation loader.
+
+        Args:
+            dataloader: The loader to validate on; the configured validation loader when None.
+            max_batches: Stop after this many batches (every rank runs as many).
+
+        Raises:
+            RuntimeError: if a hook raises ``StopTraining`` while no training is running.
         """
         if self.world.is_launched:
-            return self._validation_epoch(max_batches, dataloader)
+            return self._evaluation(dataloader, max_batches)
         self.world.launch()
+        try:
+            with _stop_is_an_error("during an evaluation outside fit()"):
+                return self._evaluation(dataloader, max_batches)
+        finally:
+            self.world.shutdown()
+
+    def _evaluation(self, dataloader: Iterable[Any] | None,
+                    max_batches: int | None) -> dict[str, float]:
+        if dataloader is not None:
+            seed = self.config.seed if self.config.seed is not None else 0
+            dataloader = prepare_loader(dataloader, self.world.dp_size, self.world.dp_rank,
+                                        seed, validation=True)
+        was_training, self.evaluating = self.training, True
         try:
             return self._validation_epoch(max_batches, dataloader)
         finally:
-            self.world.shutdown()
+            self.evaluating = False
+            if was_training:
+                self._set_train_mode(True)
 
     def _validation_epoch(self, max_batches: int | None,
                           dataloader: Iterable[Any] | None = None) -> dict[str, float]:
@@ -365,19 +395,29 @@ class BaseTrainer(AbstractTrainer):
         averager = ResultAverager(self.world.device)
         with torch.no_grad():
             for batch_idx, batch in numbered_batches(itertools.islice(loader, max_batches), 0,
-                                              "validation"):
+                                                     "validation"):
                 batch = move_to_device(batch, self.world.device)
                 self._fire("pre_val_batch", batch, batch_idx)
                 with self.precision.autocast():
                     result = self.validation_step(batch, batch_idx)
                 result = _check_result(result, "validation_step")
-                averager.update(result)
+                averager.update(result, self._result_weight(result, batch))
                 self._fire("post_val_batch", result, batch_idx)
         result = averager.compute()
         for model in self.named_models().values():
             self.data_parallel.after_validation(model)
         self._fire("post_val_epoch", result)
         return result
+
+    def _result_weight(self, result: Mapping[str, Any], batch: Any) -> int | torch.Tensor:
+        """How much a step's results count in the epoch's means: the step's ``num_items``
+        result, else the item count it gave ``backward``, else its batch's size."""
+        if WEIGHT_KEY in result:
+            return result[WEIGHT_KEY]  # type: ignore[no-any-return]
+        if self.training and self.item_weighting.last_num_items is not None:
+            return self.item_weighting.last_num_items
+        size = batch_size_of(batch)
+        return 1 if size is None else size
 
     # -- helpers ----------------------------------------------------------------------------------
     def _fire(self, hook: str, *args: Any) -> None:
@@ -502,6 +542,18 @@ class BaseTrainer(AbstractTrainer):
         self._resharded = int(state_dict.get("dp_size", self.world.dp_size)) != self.world.dp_size
         self.precision.load_state_dict(state_dict.get("precision", {}))
         self.callbacks.load_state_dict(state_dict.get("callbacks", {}))
+
+
+@contextlib.contextmanager
+def _stop_is_an_error(where: str) -> Iterator[None]:
+    """Turn a ``StopTraining`` raised where there is no training to stop into an error."""
+    try:
+        yield
+    except StopTraining as stop:
+        raise RuntimeError(
+            f"StopTraining was raised {where}, where it cannot stop anything: raise it only "
+            f"from the hooks that run while training (pre_fit to post_epoch): {stop}"
+        ) from stop
 
 
 def _check_result(result: Any, step_name: str) -> dict[str, Any]:

@@ -13,23 +13,37 @@ import torch.distributed as dist
 # long epochs while keeping the per-step cost to a list append.
 _FOLD_EVERY = 256
 
+WEIGHT_KEY = "num_items"
+"""A result key that gives its step's weight (the count its values are means over); the epoch
+result holds its total instead of its mean."""
+
+Number = torch.Tensor | float
+
 
 class ResultAverager:
-    """Mean of every scalar in a sequence of step-result dicts, over batches and ranks.
+    """Weighted means of every scalar in a sequence of step-result dicts, over steps and ranks.
 
-    ``update`` only stores detached references (no ``.item()``, so no host sync); ``compute``
-    does the arithmetic once and averages across every rank with two collectives. Keys may
-    differ between steps and ranks: each key is averaged over the steps that produced it.
-    Non-scalar values (tensors with more than one element, strings) are ignored.
+    Each step's values count with the step's weight (its batch size, or its item count), so
+    that an epoch's mean is the mean over samples, as one process computing it over the whole
+    set would have it: a smaller last batch counts for what it holds. ``update`` only stores
+    detached references (no ``.item()``, so no host sync); ``compute`` does the arithmetic once
+    and combines every rank with two collectives. Keys may differ between steps and ranks:
+    each key is averaged over the steps that produced it. Non-scalar values (tensors with more
+    than one element, strings) are ignored. The value of ``WEIGHT_KEY`` is summed, not
+    averaged.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._pending: dict[str, list[torch.Tensor | float]] = {}
+        self._pending: dict[str, list[tuple[Number, Number]]] = {}
         self._sums: dict[str, torch.Tensor] = {}
-        self._counts: dict[str, int] = {}
+        self._weights: dict[str, torch.Tensor] = {}
 
-    def update(self, result: Mapping[str, Any]) -> None:
+    def update(self, result: Mapping[str, Any], weight: Number = 1.0) -> None:
+        """Add one step's results, each value counting ``weight`` times.
+
+        A step of weight 0 contributes nothing, even if its values are NaN.
+        """
         for key, value in result.items():
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
@@ -38,22 +52,27 @@ class ResultAverager:
             elif isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             pending = self._pending.setdefault(key, [])
-            pending.append(value)
+            pending.append((value, 1.0) if key == WEIGHT_KEY else (value, weight))
             if len(pending) >= _FOLD_EVERY:
                 self._fold(key)
 
     def _fold(self, key: str) -> None:
-        values = self._pending.pop(key, [])
-        if not values:
+        pairs = self._pending.pop(key, [])
+        if not pairs:
             return
-        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device)
-                               .reshape(()) for v in values])
-        self._sums[key] = self._sums.get(key, torch.zeros((), dtype=torch.float64,
-                                                           device=self.device)) + stacked.sum()
-        self._counts[key] = self._counts.get(key, 0) + len(values)
+        values, weights = (torch.stack([self._scalar(v) for v in column])
+                           for column in zip(*pairs))
+        weighted = torch.where(weights == 0, torch.zeros_like(values), values * weights)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._sums[key] = self._sums.get(key, zero) + weighted.sum()
+        self._weights[key] = self._weights.get(key, zero) + weights.sum()
+
+    def _scalar(self, value: Number) -> torch.Tensor:
+        return torch.as_tensor(value, dtype=torch.float64, device=self.device).reshape(())
 
     def compute(self) -> dict[str, float]:
-        """Return ``{key: mean}`` over all updates of every rank (a collective when launched)."""
+        """Return ``{key: weighted mean}`` over all updates of every rank (``WEIGHT_KEY``:
+        the total), a collective when launched."""
         for key in list(self._pending):
             self._fold(key)
         keys = sorted(self._sums)
@@ -65,12 +84,10 @@ class ResultAverager:
         if not keys:
             return {}
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        totals = torch.stack(
-            [self._sums.get(key, zero) for key in keys]
-            + [torch.tensor(float(self._counts.get(key, 0)), dtype=torch.float64,
-                            device=self.device) for key in keys]
-        )
+        totals = torch.stack([self._sums.get(key, zero) for key in keys]
+                             + [self._weights.get(key, zero) for key in keys])
         if distributed:
             dist.all_reduce(totals)
-        sums, counts = totals[: len(keys)].tolist(), totals[len(keys):].tolist()
-        return {key: (s / c if c else math.nan) for key, s, c in zip(keys, sums, counts)}
+        sums, weights = totals[: len(keys)].tolist(), totals[len(keys):].tolist()
+        return {key: (s if key == WEIGHT_KEY else s / w if w else math.nan)
+                for key, s, w in zip(keys, sums, weights)}
