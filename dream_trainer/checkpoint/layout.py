@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ METADATA = ".metadata"
 INFO = "dream_trainer.json"
 CONFIG = "config.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_CHUNK = 1 << 22
 
 
 class CheckpointError(RuntimeError):
@@ -24,21 +27,35 @@ class CheckpointError(RuntimeError):
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What ``dream_trainer.json`` records about one checkpoint."""
+    """What ``dream_trainer.json`` records about one checkpoint.
+
+    It is written last, once every rank's data is written and every file is checksummed:
+    its presence (with ``.metadata``) is what makes a checkpoint complete.
+
+    Attributes:
+        files: SHA-256 of every file of the checkpoint but this one, by relative path
+            (``None`` for checkpoints written before checksums were recorded).
+    """
 
     path: Path
     step: int
     epoch: int
     score: float | None
+    files: dict[str, str] | None = None
 
     @classmethod
     def read(cls, path: Path) -> CheckpointInfo:
         data = json.loads((path / INFO).read_text())
-        return cls(path, int(data["step"]), int(data["epoch"]), data.get("score"))
+        return cls(path, int(data["step"]), int(data["epoch"]), data.get("score"),
+                   data.get("files"))
 
     def write(self) -> None:
-        payload = {"step": self.step, "epoch": self.epoch, "score": self.score}
-        (self.path / INFO).write_text(json.dumps(payload, indent=2))
+        """Write atomically: a reader sees the whole file or none."""
+        payload = {"step": self.step, "epoch": self.epoch, "score": self.score,
+                   "files": self.files}
+        temporary = self.path / f"{INFO}.tmp"
+        temporary.write_text(json.dumps(payload, indent=2))
+        os.replace(temporary, self.path / INFO)
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -46,7 +63,8 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def is_complete(path: Path) -> bool:
-    """DCP writes ``.metadata`` (atomically, by rename) only after every rank's data."""
+    """DCP writes ``.metadata`` (atomically, by rename) only after every rank's data, and
+    ``dream_trainer.json`` is written after that."""
     return (path / METADATA).is_file() and (path / INFO).is_file()
 
 
@@ -71,16 +89,35 @@ def complete_checkpoints(root: Path, warn: bool = False) -> list[CheckpointInfo]
     return infos
 
 
-def verify_files(path: Path, metadata: Any) -> None:
-    """Check that every data file the metadata points into exists and is long enough.
-
-    Raises:
-        CheckpointError: naming the missing or truncated file.
-    """
+def data_files(metadata: Any) -> dict[str, int]:
+    """Every file a checkpoint's metadata points into, with the length it needs."""
     needed: dict[str, int] = defaultdict(int)
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed[info.relative_path], info.offset + info.length)
-    for relative, size in sorted(needed.items()):
+    return dict(sorted(needed.items()))
+
+
+def checksum(file: Path) -> str:
+    """The SHA-256 of ``file`` (``sha256sum`` prints the same)."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_files(path: Path, metadata: Any, rank: int = 0, world_size: int = 1) -> None:
+    """Check that every data file the metadata points into exists, is long enough, and has
+    the checksum recorded when the checkpoint was committed.
+
+    Several ranks can share the reading: each checks every ``world_size``-th file from
+    ``rank`` (and combines its verdict with the others').
+
+    Raises:
+        CheckpointError: naming the missing, truncated or altered file.
+    """
+    files = data_files(metadata)
+    for relative, size in files.items():
         file = path / relative
         if not file.is_file():
             raise CheckpointError(f"checkpoint file {file} is missing")
@@ -89,4 +126,17 @@ def verify_files(path: Path, metadata: Any) -> None:
             raise CheckpointError(
                 f"checkpoint file {file} is truncated: {actual} bytes, the metadata needs "
                 f"{size}; resume from an earlier checkpoint"
+            )
+    recorded = CheckpointInfo.read(path).files if (path / INFO).is_file() else None
+    if recorded is None:
+        return  # written before checksums were recorded: lengths are all there is to check
+    for relative in sorted(recorded)[rank::world_size]:
+        file = path / relative
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint file {file} is missing")
+        if checksum(file) != recorded[relative]:
+            raise CheckpointError(
+                f"checkpoint file {file} does not match the checksum recorded when the "
+                "checkpoint was written: its contents changed (a disk or copy error); "
+                "resume from an earlier checkpoint"
             )

@@ -17,6 +17,9 @@ class CheckpointParameters(ConfigModel):
     ``<root_dir>/<project>/<group>/<experiment>/checkpoints/step_<N>/``.
     """
 
+    enabled: bool = True
+    """Write checkpoints at all. ``False`` writes nothing (no periodic, final or preemption
+    checkpoint, no lock) and cannot resume."""
     root_dir: Path = Path("outputs")
     """Directory under which every run's checkpoints are written."""
     every_n_steps: PositiveInt | None = None
@@ -42,6 +45,11 @@ class CheckpointParameters(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> CheckpointParameters:
+        if not self.enabled and self.resume is not None:
+            raise ValueError(
+                f"resume={str(self.resume)!r} needs checkpoints, but enabled=False turns them "
+                "off: set resume=None, or enabled=True"
+            )
         if self.load_weights_only and not isinstance(self.resume, Path):
             raise ValueError(
                 "load_weights_only=True needs resume=<path to a checkpoint> to take the "

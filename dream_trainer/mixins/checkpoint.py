@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import shutil
@@ -16,9 +17,11 @@ import torch
 import torch.distributed as dist
 from pydantic import Field
 
-from dream_trainer.checkpoint.layout import (CONFIG, CheckpointError, CheckpointInfo,
-                                             complete_checkpoints, is_complete, step_dir,
-                                             step_dirs, verify_files)
+from dream_trainer.checkpoint.layout import (CONFIG, INFO, METADATA, CheckpointError,
+                                             CheckpointInfo, checksum, complete_checkpoints,
+                                             data_files, is_complete, step_dir, step_dirs,
+                                             verify_files)
+from dream_trainer.checkpoint.lock import RunLock
 from dream_trainer.checkpoint.rng import set_rng_state
 from dream_trainer.checkpoint.state import TrainingState, rng_key
 from dream_trainer.configs.base import ConfigModel
@@ -62,6 +65,7 @@ class CheckpointMixin(AbstractTrainer):
         self._rng_mid_epoch = False
         self._preemption = PreemptionFlag()
         self._preemption_agreement = PreemptionAgreement(self._preemption)
+        self._lock: RunLock | None = None
 
     @property
     def checkpoint_parameters(self) -> CheckpointParameters:
@@ -83,8 +87,16 @@ class CheckpointMixin(AbstractTrainer):
             # Ranks agree on preemption through a group of its own (see PreemptionAgreement).
             self._preemption_agreement = PreemptionAgreement(
                 self._preemption, dist.new_group(backend="gloo"))
-        self._resume()
+        if self.checkpoint_parameters.enabled:
+            self._take_lock()
+            self._resume()
         super().post_setup()
+
+    def teardown(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        super().teardown()
 
     def pre_fit(self) -> None:
         self._preemption.install()
@@ -105,14 +117,16 @@ class CheckpointMixin(AbstractTrainer):
     def end_of_step(self) -> None:
         # After every post_train_batch hook, callbacks' included: their state is current.
         super().end_of_step()
+        enabled = self.checkpoint_parameters.enabled
         if self._preemption_requested():
-            path = self.save_checkpoint(asynchronous=False)
+            saved = (f"checkpoint saved to {self.save_checkpoint(asynchronous=False)}"
+                     if enabled else "nothing saved: checkpoint_parameters.enabled is False")
             self.preempted = True
             self._preemption.uninstall()
             by = self._preemption.signal.name if self._preemption.signal else "a signal on another rank"
-            raise StopTraining(f"preempted by {by}; checkpoint saved to {path}")
+            raise StopTraining(f"preempted by {by}; {saved}")
         every = self.checkpoint_parameters.every_n_steps
-        if every is not None and self.global_step % every == 0:
+        if enabled and every is not None and self.global_step % every == 0:
             self.save_checkpoint()
 
     def post_train_epoch(self, result: dict[str, Any]) -> None:
@@ -127,14 +141,16 @@ class CheckpointMixin(AbstractTrainer):
     def post_epoch(self) -> None:
         super().post_epoch()
         every = self.checkpoint_parameters.every_n_epochs
-        if every is not None and (self.current_epoch + 1) % every == 0:
+        if self.checkpoint_parameters.enabled and every is not None \
+                and (self.current_epoch + 1) % every == 0:
             self._require_monitor()
             self.save_checkpoint()
 
     def post_fit(self) -> None:
         super().post_fit()
         self._preemption_agreement.finish()
-        self.save_checkpoint(asynchronous=False)
+        if self.checkpoint_parameters.enabled:
+            self.save_checkpoint(asynchronous=False)
         self._preemption.uninstall()
 
     def on_exception(self, exception: BaseException) -> None:
@@ -154,7 +170,14 @@ class CheckpointMixin(AbstractTrainer):
 
         Returns:
             The checkpoint directory (complete once any async write finishes).
+
+        Raises:
+            CheckpointError: if checkpointing is disabled, the model holds non-finite
+                values, or the write fails.
         """
+        if not self.checkpoint_parameters.enabled:
+            raise CheckpointError("save_checkpoint() called with checkpointing disabled "
+                                  "(checkpoint_parameters.enabled=False): nothing is written")
         self._finish_pending_save()
         path = step_dir(self.checkpoint_dir, self.global_step)
         if self._last_saved_step == self.global_step:
@@ -168,7 +191,6 @@ class CheckpointMixin(AbstractTrainer):
                 if path.exists():  # a save at this step that never completed
                     shutil.rmtree(path)
                 path.mkdir(parents=True)
-                info.write()
                 (path / CONFIG).write_text(self.config.model_dump_json(indent=2))
             self._barrier()
             state = {"state": TrainingState(self)}
@@ -228,8 +250,20 @@ class CheckpointMixin(AbstractTrainer):
             ) from exc
 
     def _committed(self, info: CheckpointInfo) -> None:
-        logger.info("saved checkpoint %s", info.path)
+        """Checksum every file (each rank a share), then write ``dream_trainer.json``, which
+        makes the checkpoint complete, and apply retention (collective)."""
+        metadata = _dcp().FileSystemReader(str(info.path)).read_metadata()
+        files = sorted([*data_files(metadata), METADATA, CONFIG])
+        rank, world_size = self.world.rank, self.world.world_size
+        mine = {name: checksum(info.path / name) for name in files[rank::world_size]}
+        shares: list[dict[str, str] | None] = [mine]
+        if world_size > 1:
+            shares = [None] * world_size
+            dist.all_gather_object(shares, mine, group=self._checkpoint_group)
         if self.world.is_rank_zero:
+            checksums = {name: digest for share in shares for name, digest in (share or {}).items()}
+            dataclasses.replace(info, files=checksums).write()
+            logger.info("saved checkpoint %s", info.path)
             self._rotate()
 
     def _rotate(self) -> None:
@@ -295,27 +329,58 @@ class CheckpointMixin(AbstractTrainer):
             if path is None:
                 logger.info("no complete checkpoint in %s: starting fresh", self.checkpoint_dir)
                 return
-        else:
-            path = Path(params.resume)
-            if not path.is_dir():
-                raise CheckpointError(f"resume={str(path)!r}: no checkpoint directory there "
-                                      "(use 'latest' to continue this experiment)")
-            if not is_complete(path):
-                raise CheckpointError(f"{path} is not a complete checkpoint: it has no "
-                                      ".metadata, so its save never finished")
+            self._load(path, weights_only=params.load_weights_only)
+            return
+        path = Path(params.resume)
+        if not path.is_dir():
+            raise CheckpointError(f"resume={str(path)!r}: no checkpoint directory there "
+                                  "(use 'latest' to continue this experiment)")
+        if not is_complete(path):
+            raise CheckpointError(f"{path} is not a complete checkpoint: it has no "
+                                  f"{METADATA} or {INFO}, so its save never finished")
         self.load_checkpoint(path, weights_only=params.load_weights_only)
 
     def _latest_intact(self) -> Path | None:
-        """The newest checkpoint that is complete and whose files are all there, whole."""
+        """The newest checkpoint that is complete and whose files are all there, whole and
+        unchanged (every rank agrees; each checksums a share of the files)."""
         for info in reversed(complete_checkpoints(self.checkpoint_dir,
                                                   warn=self.world.is_rank_zero)):
-            try:
-                verify_files(info.path, _dcp().FileSystemReader(str(info.path)).read_metadata())
-            except Exception as exc:  # a damaged .metadata raises anything unpickling does
-                logger.warning("skipping %s: %s", info.path, exc)
-                continue
-            return info.path
+            problem = self._verify(info.path)
+            if problem is None:
+                return info.path
+            if self.world.is_rank_zero:
+                logger.warning("skipping %s: %s", info.path, problem)
         return None
+
+    def _verify(self, path: Path) -> str | None:
+        """What is wrong with the checkpoint at ``path`` on any rank, or None (collective)."""
+        try:
+            metadata = _dcp().FileSystemReader(str(path)).read_metadata()
+            verify_files(path, metadata, self.world.rank, self.world.world_size)
+            problem = None
+        except Exception as exc:  # a damaged .metadata raises anything unpickling does
+            problem = str(exc) if isinstance(exc, CheckpointError) \
+                else f"cannot read {path / METADATA}: {type(exc).__name__}: {exc}"
+        problems: list[str | None] = [problem]
+        if self.world.world_size > 1:
+            problems = [None] * self.world.world_size
+            dist.all_gather_object(problems, problem, group=self._checkpoint_group)
+        return next((p for p in problems if p is not None), None)
+
+    def _take_lock(self) -> None:
+        """Global rank 0 locks the experiment's directory; every rank learns the outcome."""
+        error = None
+        if self.world.is_rank_zero:
+            self._lock = RunLock(self.checkpoint_dir)
+            try:
+                self._lock.acquire()
+            except CheckpointError as exc:
+                self._lock, error = None, str(exc)
+        errors = [error]
+        if self.world.world_size > 1:
+            dist.broadcast_object_list(errors, src=0, group=self._checkpoint_group)
+        if errors[0] is not None:
+            raise CheckpointError(errors[0])
 
     def load_checkpoint(self, path: str | Path, weights_only: bool = False) -> None:
         """Load a checkpoint written by any number of ranks (collective).
@@ -325,12 +390,15 @@ class CheckpointMixin(AbstractTrainer):
                 differ from this trainer's models.
         """
         path = Path(path)
+        problem = self._verify(path)
+        if problem is not None:
+            raise CheckpointError(problem)
+        self._load(path, weights_only)
+
+    def _load(self, path: Path, weights_only: bool) -> None:
+        """Load a checkpoint already verified by ``_verify``."""
         reader = _dcp().FileSystemReader(str(path))
-        try:
-            metadata = reader.read_metadata()
-        except Exception as exc:
-            raise CheckpointError(f"cannot read {path / '.metadata'}: {exc}") from exc
-        verify_files(path, metadata)
+        metadata = reader.read_metadata()
         with_rng = any(key.startswith(f"state.{rng_key(self.world.rank)}.")
                        for key in metadata.state_dict_metadata)
         state = TrainingState(self, weights_only=weights_only, with_rng=with_rng)

@@ -427,9 +427,11 @@ class BaseTrainer(AbstractTrainer):
             listener(*args)
 
     def _set_train_mode(self, training: bool) -> None:
+        """Switch the models to train or eval mode; a model without trainable parameters (a
+        frozen teacher, a reference model) always stays in eval mode."""
         self.training = training
         for model in self.named_models().values():
-            model.train(training)
+            model.train(training and any(p.requires_grad for p in model.parameters()))
 
     def _plan_train_steps(self) -> int:
         """Optimizer steps per epoch, checked against the loader and agreed by every rank."""

@@ -122,3 +122,26 @@ def test_latest_skips_a_checkpoint_with_a_truncated_shard(
     assert "skipping" in caplog.text and "__0_0.distcp is truncated" in caplog.text
     assert f"resumed from {tmp_path / STEPS / 'step_28'}" in caplog.text
     assert resumed.global_step == 30
+
+
+def test_a_flipped_byte_is_detected_skipped_by_latest_and_named_by_load_and_export(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="dream_trainer")
+    CheckpointedTrainer(checkpointed_config(tmp_path, resume=None)).fit()
+    newest = tmp_path / STEPS / "step_30"
+    shard = newest / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same length: only a checksum can tell
+    shard.write_bytes(bytes(data))
+    message = r"__0_0.distcp does not match the checksum recorded when the checkpoint was written"
+    with pytest.raises(CheckpointError, match=message):
+        export_checkpoint(newest, tmp_path / "export")
+    with pytest.raises(CheckpointError, match=message):
+        CheckpointedTrainer(checkpointed_config(tmp_path, resume=newest)).fit()
+    resumed = CheckpointedTrainer(checkpointed_config(tmp_path, resume="latest"))
+    resumed.fit()
+    assert "skipping" in caplog.text and "does not match the checksum" in caplog.text
+    assert f"resumed from {tmp_path / STEPS / 'step_28'}" in caplog.text
+    assert resumed.global_step == 30

@@ -137,3 +137,22 @@ def test_state_dict_round_trips_the_counters() -> None:
     fresh = ToyTrainer(toy_config())
     fresh.load_state_dict(state)
     assert (fresh.global_step, fresh.current_epoch) == (4, 1)
+
+
+class WithTeacher(ToyTrainer):
+    """A frozen teacher with dropout beside the trained model."""
+
+    def configure_models(self) -> None:
+        super().configure_models()
+        self.teacher = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Dropout(0.5))
+        self.teacher.requires_grad_(False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        self.modes = (self.model.training, self.teacher.training, self.teacher[1].training)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_model_without_trainable_parameters_stays_in_eval_mode_while_training() -> None:
+    trainer = WithTeacher(toy_config())
+    trainer.fit()
+    assert trainer.modes == (True, False, False)
