@@ -81,9 +81,16 @@ class RunLock:
             CheckpointError: naming the holder, if another live run (or a run on another
                 host) holds it.
         """
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self._create():
-            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self._create():
+                return
+        except OSError as exc:
+            # Found at setup, not after hours of training at the first save.
+            raise CheckpointError(
+                f"cannot write to the checkpoint directory {self.path.parent}: "
+                f"{type(exc).__name__}: {exc}; give it a writable root_dir"
+            ) from exc
         current = self._read()
         if current is not None:
             alive = current.is_alive()

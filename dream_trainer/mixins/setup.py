@@ -340,10 +340,12 @@ def _check_batch_size(loader: Any, kind: str, field: str, expected: int | None) 
     actual = getattr(loader, "batch_size", None)
     if loader is None or actual is None or expected is None or actual == expected:
         return
+    uses = ("the global batch size, the mid-epoch resume position and throughput are "
+            "computed from it" if kind == "train" else "the run's summary and the progress "
+                                                         "figures are computed from it")
     raise ValueError(
         f"the {kind} loader has batch_size={actual} but training_parameters.{field}={expected}: "
-        f"they must agree, because the global batch size, the mid-epoch resume position and "
-        f"throughput are computed from {field}; build the loader with "
+        f"they must agree, because {uses}; build the loader with "
         f"batch_size=config.training_parameters.{field}, or set {field}={actual}"
     )
 
