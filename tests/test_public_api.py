@@ -21,7 +21,7 @@ SNAPSHOT = {
                              "WandBLoggerConfigMixin", "WandBLoggerMixin"],
     "dream_trainer.checkpoint": ["CheckpointError", "CheckpointInfo", "export_checkpoint"],
     "dream_trainer.parallel": ["FullTensorInit", "clip_grad_norm", "find_blocks"],
-    "dream_trainer.data": ["ResumableSampler"],
+    "dream_trainer.data": ["ResumableSampler", "ValidationBatches"],
     "dream_trainer.callbacks": ["EMA", "HOOK_NAMES", "Callback", "CallbackCollection",
                                 "EarlyStopping", "GarbageCollection", "HangWatchdog",
                                 "LRMonitor", "ModelSummary", "NanGuard", "Profiler",
