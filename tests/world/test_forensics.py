@@ -45,7 +45,9 @@ def test_detect_anomaly_is_on_during_fit_only() -> None:
 
 def test_detect_anomaly_names_the_operation_and_is_restored_after_a_failure() -> None:
     config = toy_config(n_samples=16, device_parameters=DeviceParameters(detect_anomaly=True))
-    with pytest.raises(RuntimeError, match="SqrtBackward0"):
+    # Anomaly mode warns with the forward stack of the operation, then backward raises.
+    with pytest.warns(UserWarning, match="Error detected in SqrtBackward0"), \
+            pytest.raises(RuntimeError, match="'SqrtBackward0' returned nan values"):
         NaNGradient(config).fit()
     assert not torch.is_anomaly_enabled()
 
