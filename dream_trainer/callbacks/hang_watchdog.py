@@ -27,7 +27,8 @@ class HangWatchdog(Callback):
     stacks in its own log instead of waiting for the collective timeout, and its peers, blocked
     in a collective with it, are ended by their own watchdogs. Before exiting, each also dumps
     its flight recorder, the last collectives of every process group with their state
-    (NCCL's on CUDA; torch 2.13 records gloo's too), to ``<trace_dir>/flight_recorder_<rank>``;
+    (NCCL's on CUDA, else gloo's, which torch 2.13 records too), to
+    ``<trace_dir>/flight_recorder_<rank>``;
     ``python -m torch.distributed.flight_recorder.fr_trace <trace_dir> -p flight_recorder_``
     then shows which collective the ranks disagree on. ``DeviceParameters
     .flight_recorder_entries`` sizes (or turns off) the recorder.
@@ -129,14 +130,18 @@ class HangWatchdog(Callback):
         """Write the flight recorder's pickled entries, if a process group records them."""
         if not (dist.is_available() and dist.is_initialized()):
             return
-        try:
-            from torch._C._distributed_c10d import _dump_fr_trace
-        except ImportError:
+        import torch._C._distributed_c10d as c10d
+
+        # NCCL keeps its own recorder (CUDA builds only); gloo's is the generic one.
+        cuda = self.trainer.world.device.type == "cuda"
+        dump = (getattr(c10d, "_dump_nccl_trace", None) if cuda else None) \
+            or getattr(c10d, "_dump_fr_trace", None)
+        if dump is None:
             print("HangWatchdog: this torch has no flight recorder to dump", file=sys.stderr,
                   flush=True)
             return
         path = self.trace_dir / f"flight_recorder_{rank}"
-        data = _dump_fr_trace()
+        data = dump()
         self.trace_dir.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
         print(f"HangWatchdog: flight recorder of rank {rank} written to {path}",

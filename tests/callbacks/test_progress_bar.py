@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.nn.functional as F
 
 from dream_trainer.callbacks import Callback
@@ -149,6 +150,15 @@ def test_memory_is_the_process_rss_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -
     assert rss is not None and "mem " not in lines[-2]  # no CUDA peaks off CUDA
     # A moment later, the same within what the last validation pass allocated.
     assert shown == pytest.approx(rss / 2**30, rel=0.2, abs=0.01)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_memory_is_the_allocator_peaks_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    bar = ProgressBar(refresh_every_n_steps=1, stream=io.StringIO())
+    lines = fit_plain(monkeypatch, bar, FakeClock(0.5), n_samples=16)
+    match = re.search(r" mem (\d+\.\d\d)/(\d+\.\d\d) GiB$", lines[-2])
+    assert match and " rss " not in lines[-2], lines
+    assert float(match.group(1)) <= float(match.group(2))
 
 
 @pytest.mark.parametrize("kwargs", [{"refresh_every_n_steps": 0}, {"smoothing": 0.0},
