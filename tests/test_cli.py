@@ -24,6 +24,7 @@ from tests.scripts.cli_trainer import PARAMETERS
 
 SCRIPT = REPO / "tests" / "scripts" / "cli_trainer.py"
 TARGET = f"{SCRIPT}:make_trainer"
+GRAPH_BREAKS = REPO / "tests" / "scripts" / "graph_break_trainer.py"
 
 
 @pytest.fixture(autouse=True)
@@ -42,10 +43,11 @@ def sandboxes() -> set[Path]:
 
 
 @pytest.mark.parametrize(("command", "expected"), [
-    ([], ["summarize", "benchmark", "profile", "export", "TARGET"]),
+    ([], ["summarize", "benchmark", "profile", "find-graph-breaks", "export", "TARGET"]),
     (["summarize"], ["TARGET", "OVERRIDE", "--depth"]),
     (["benchmark"], ["TARGET", "OVERRIDE", "--steps", "--warmup", "--json"]),
     (["profile"], ["TARGET", "OVERRIDE", "--steps", "--warmup", "--out"]),
+    (["find-graph-breaks"], ["TARGET", "OVERRIDE", "torch._dynamo.explain"]),
     (["export"], ["checkpoint", "out_dir", "safetensors"]),
 ])
 def test_help_names_the_commands_and_their_options(
@@ -56,6 +58,25 @@ def test_help_names_the_commands_and_their_options(
     out = capsys.readouterr().out
     for word in expected:
         assert word in out, (word, out)
+
+
+def test_find_graph_breaks_names_each_blocks_break_and_its_reason(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.scripts.graph_break_trainer import BREAK_LINE
+
+    monkeypatch.chdir(tmp_path)
+    before = sandboxes()
+    assert main(["find-graph-breaks", f"{GRAPH_BREAKS}:make_trainer"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "model.blocks.0 (Block): 2 graphs, 1 graph break"
+    assert lines[1] == f"  1. {GRAPH_BREAKS}:{BREAK_LINE} in forward"
+    assert lines[2:4] == ["    torch._dynamo.graph_break()",
+                          "    Call to `torch._dynamo.graph_break()`"]
+    # The second block breaks the same way: listed once, not repeated.
+    assert "model.blocks.1 (Block): 2 graphs, 1 graph break, the same as model.blocks.0" in lines
+    assert lines[-1] == "2 blocks explained, 2 graph breaks in all"
+    assert sandboxes() == before and not (tmp_path / "outputs").exists()
 
 
 def test_summarize_prints_the_config_world_and_models_without_training(

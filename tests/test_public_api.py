@@ -15,16 +15,19 @@ SNAPSHOT = {
                       "BaseTrainerConfig", "DreamTrainer", "DreamTrainerConfig", "StopTraining"],
     "dream_trainer.configs": ["CheckpointParameters", "ConfigModel", "apply_cli_overrides", "DeviceParameters",
                               "LoggingParameters", "TrainingParameters"],
-    "dream_trainer.mixins": ["CheckpointConfigMixin", "CheckpointMixin", "EvalConfigMixin",
-                             "EvalMixin", "JSONLoggerConfigMixin", "JSONLoggerMixin",
-                             "LoggerMixin", "SetupConfigMixin", "SetupMixin",
-                             "WandBLoggerConfigMixin", "WandBLoggerMixin"],
+    "dream_trainer.mixins": ["CSVLoggerConfigMixin", "CSVLoggerMixin", "CheckpointConfigMixin",
+                             "CheckpointMixin", "EvalConfigMixin", "EvalMixin",
+                             "JSONLoggerConfigMixin", "JSONLoggerMixin", "LoggerMixin",
+                             "SetupConfigMixin", "SetupMixin", "TensorBoardLoggerConfigMixin",
+                             "TensorBoardLoggerMixin", "WandBLoggerConfigMixin",
+                             "WandBLoggerMixin"],
     "dream_trainer.checkpoint": ["CheckpointError", "CheckpointInfo", "export_checkpoint"],
     "dream_trainer.parallel": ["FullTensorInit", "clip_grad_norm", "find_blocks"],
     "dream_trainer.data": ["ResumableSampler", "ValidationBatches"],
     "dream_trainer.callbacks": ["EMA", "HOOK_NAMES", "Callback", "CallbackCollection",
                                 "EarlyStopping", "GarbageCollection", "HangWatchdog",
-                                "LRMonitor", "ModelSummary", "NanGuard", "Profiler",
+                                "Histograms", "LRMonitor", "MediaLogger", "ModelSummary",
+                                "NanGuard", "Profiler",
                                 "ProgressBar", "RankZeroCallback", "Throughput",
                                 "TrainerHooks", "TrainerSummary"],
     "dream_trainer.world": ["DistributedWorld", "LaunchEnvironment", "MeshAxis",
@@ -36,7 +39,8 @@ TRAINING_FIELDS = ["n_epochs", "train_batch_size", "val_batch_size",
                    "val_every_n_steps", "num_sanity_val_steps", "gradient_clip_val", "max_steps"]
 DEVICE_FIELDS = ["dp_replicate", "dp_shard", "context_parallel", "tensor_parallel",
                  "pipeline_parallel", "device", "param_dtype", "reduce_dtype", "compile_model",
-                 "checkpoint_activations", "cpu_offload", "init_timeout", "train_timeout"]
+                 "checkpoint_activations", "cpu_offload", "init_timeout", "train_timeout",
+                 "flight_recorder_entries", "detect_anomaly"]
 
 
 def test_all_matches_the_snapshot() -> None:
@@ -60,7 +64,7 @@ def test_import_pulls_in_no_optional_extra() -> None:
     modules = set(json.loads(result.stdout))
     assert "torch" in modules  # the probe really ran the import
     for heavy in ("wandb", "torchmetrics", "lightning", "rich.progress", "rich.console",
-                  "tensorboard", "sklearn"):
+                  "tensorboard", "torch.utils.tensorboard", "PIL", "sklearn"):
         assert heavy not in modules, heavy
     # Each of these takes about a second to import (DTensor pulls in sympy); they load when a
     # run first shards, checkpoints or exports, not at `import dream_trainer`.

@@ -6,8 +6,10 @@ from dream_trainer.callbacks.early_stopping import EarlyStopping
 from dream_trainer.callbacks.ema import EMA
 from dream_trainer.callbacks.garbage_collection import GarbageCollection
 from dream_trainer.callbacks.hang_watchdog import HangWatchdog
+from dream_trainer.callbacks.histograms import Histograms
 from dream_trainer.callbacks.hooks import HOOK_NAMES, TrainerHooks
 from dream_trainer.callbacks.lr_monitor import LRMonitor
+from dream_trainer.callbacks.media_logger import MediaLogger
 from dream_trainer.callbacks.nan_guard import NanGuard
 from dream_trainer.callbacks.profiler import Profiler
 from dream_trainer.callbacks.progress_bar import ProgressBar
@@ -15,6 +17,6 @@ from dream_trainer.callbacks.summaries import ModelSummary, TrainerSummary
 from dream_trainer.callbacks.throughput import Throughput
 
 __all__ = ["EMA", "HOOK_NAMES", "Callback", "CallbackCollection", "EarlyStopping",
-           "GarbageCollection", "HangWatchdog", "LRMonitor", "ModelSummary", "NanGuard",
-           "Profiler", "ProgressBar", "RankZeroCallback", "Throughput", "TrainerHooks",
-           "TrainerSummary"]
+           "GarbageCollection", "HangWatchdog", "Histograms", "LRMonitor", "MediaLogger",
+           "ModelSummary", "NanGuard", "Profiler", "ProgressBar", "RankZeroCallback",
+           "Throughput", "TrainerHooks", "TrainerSummary"]

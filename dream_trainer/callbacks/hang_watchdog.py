@@ -6,10 +6,13 @@ import faulthandler
 import math
 import os
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, NoReturn
 
+import torch.distributed as dist
 from typing_extensions import override
 
 from dream_trainer.callbacks.callback import Callback
@@ -22,21 +25,30 @@ class HangWatchdog(Callback):
     validation batch. It arms at the first ``pre_train_epoch``, so that setup and the sanity
     check are not timed, and stops when ``fit()`` ends or fails. A hung rank then leaves its
     stacks in its own log instead of waiting for the collective timeout, and its peers, blocked
-    in a collective with it, are ended by their own watchdogs.
+    in a collective with it, are ended by their own watchdogs. Before exiting, each also dumps
+    its flight recorder, the last collectives of every process group with their state
+    (NCCL's on CUDA, else gloo's, which torch 2.13 records too), to
+    ``<trace_dir>/flight_recorder_<rank>``;
+    ``python -m torch.distributed.flight_recorder.fr_trace <trace_dir> -p flight_recorder_``
+    then shows which collective the ranks disagree on. ``DeviceParameters
+    .flight_recorder_entries`` sizes (or turns off) the recorder.
 
     Args:
         timeout: Seconds without a finished batch before the process is ended. Allow for the
             slowest legitimate gap: a checkpoint save, a validation pass's first batch.
+        trace_dir: Where the flight recorder dumps go; the system's temporary directory when
+            None.
 
     Raises:
         ValueError: if ``timeout`` is not a positive, finite number of seconds.
     """
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, trace_dir: str | Path | None = None) -> None:
         if not (timeout > 0 and math.isfinite(timeout)):
             raise ValueError(f"HangWatchdog timeout must be a positive number of seconds, "
                              f"got {timeout}")
         self.timeout = float(timeout)
+        self.trace_dir = Path(trace_dir if trace_dir is not None else tempfile.gettempdir())
         # time.monotonic() of the last progress; None while disarmed. Plain attribute reads and
         # writes are atomic under the GIL, so the watcher thread needs no lock.
         self._last_progress: float | None = None
@@ -110,5 +122,27 @@ class HangWatchdog(Callback):
                   file=sys.stderr, flush=True)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             sys.stderr.flush()
+            self._dump_flight_recorder(trainer.world.rank)
         finally:
             os._exit(1)
+
+    def _dump_flight_recorder(self, rank: int) -> None:
+        """Write the flight recorder's pickled entries, if a process group records them."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        import torch._C._distributed_c10d as c10d
+
+        # NCCL keeps its own recorder (CUDA builds only); gloo's is the generic one.
+        cuda = self.trainer.world.device.type == "cuda"
+        dump = (getattr(c10d, "_dump_nccl_trace", None) if cuda else None) \
+            or getattr(c10d, "_dump_fr_trace", None)
+        if dump is None:
+            print("HangWatchdog: this torch has no flight recorder to dump", file=sys.stderr,
+                  flush=True)
+            return
+        path = self.trace_dir / f"flight_recorder_{rank}"
+        data = dump()
+        self.trace_dir.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        print(f"HangWatchdog: flight recorder of rank {rank} written to {path}",
+              file=sys.stderr, flush=True)

@@ -12,6 +12,7 @@ import torch
 from typing_extensions import override
 
 from dream_trainer.callbacks.callback import RankZeroCallback
+from dream_trainer.utils.memory import GIB, CudaPeakWindow, process_rss_bytes
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -35,12 +36,14 @@ def planned_optimizer_steps(params: TrainingParameters, steps_per_epoch: int) ->
 
 
 class ProgressBar(RankZeroCallback):
-    """Show epoch, step, smoothed loss, throughput and ETA, counted in optimizer steps.
+    """Show epoch, step, smoothed loss, throughput, ETA and memory, in optimizer steps.
 
     On a terminal (``stream.isatty()``) a rich display holds a bar for the current epoch and
     one for the whole run; elsewhere (CI logs, files) it prints one plain line per refresh,
-    such as ``epoch 1/3 step 40/120 loss 0.5234 2150.3 samples/s eta 0:00:12``, and one per
-    validation pass, such as ``validation epoch 1: val_loss=0.4321``.
+    such as ``epoch 1/3 step 40/120 loss 0.5234 2150.3 samples/s eta 0:00:12 rss 1.52 GiB``,
+    and one per validation pass, such as ``validation epoch 1: val_loss=0.4321``. Memory is
+    rank 0's: on CUDA ``mem A/R GiB``, the peaks allocated and reserved by the allocator since
+    the last refresh; on the CPU ``rss R GiB``, the process's resident set size.
 
     Args:
         refresh_every_n_steps: Update the display every this many optimizer steps (and at
@@ -92,6 +95,7 @@ class ProgressBar(RankZeroCallback):
         self._fit_start_step = 0
         self._val_start: float | None = None
         self._step_time_ema: float | None = None
+        self._cuda_peaks: CudaPeakWindow | None = None
 
     @property
     def stream(self) -> TextIO:
@@ -110,6 +114,8 @@ class ProgressBar(RankZeroCallback):
         self._loss_ema = self._step_time_ema = None
         self._mark_time, self._mark_step = time.perf_counter(), self.trainer.global_step
         self._fit_start_step = self.trainer.global_step
+        device = self.trainer.world.device
+        self._cuda_peaks = CudaPeakWindow(device) if device.type == "cuda" else None
         if self.stream.isatty():
             self._start_live()
 
@@ -191,7 +197,8 @@ class ProgressBar(RankZeroCallback):
         self._progress.update(self._run_task, completed=step, status=status, refresh=True)
 
     def _status(self, step: int) -> str:
-        """``loss L S samples/s eta H:MM:SS``, updating the step-time average (a host sync)."""
+        """``loss L S samples/s eta H:MM:SS`` and memory, updating the step-time average (a
+        host sync)."""
         now = time.perf_counter()
         assert self._mark_time is not None, "pre_fit sets the time mark before any step"
         steps = step - self._mark_step
@@ -209,7 +216,14 @@ class ProgressBar(RankZeroCallback):
                           if self._step_time_ema > 0 else math.inf)
             eta = timedelta(seconds=round((self._total_steps - step) * self._step_time_ema))
             parts += [f"{throughput:.1f} samples/s", f"eta {eta}"]
-        return " ".join(parts)
+        return " ".join(parts + self._memory())
+
+    def _memory(self) -> list[str]:
+        if self._cuda_peaks is not None:
+            allocated, reserved = self._cuda_peaks.read()
+            return [f"mem {allocated / GIB:.2f}/{reserved / GIB:.2f} GiB"]
+        rss = process_rss_bytes()
+        return [] if rss is None else [f"rss {rss / GIB:.2f} GiB"]
 
     def _print(self, line: str) -> None:
         if self._progress is not None:

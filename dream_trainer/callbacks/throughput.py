@@ -1,4 +1,4 @@
-"""``Throughput``: step time, samples/s, tokens/s and MFU over a sliding window of steps."""
+"""``Throughput``: step time, samples/s, tokens/s, MFU and memory over a window of steps."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from typing_extensions import override
 
 from dream_trainer.callbacks.callback import RankZeroCallback
+from dream_trainer.utils.memory import GIB, CudaPeakWindow, process_rss_bytes
 
 if TYPE_CHECKING:
     from dream_trainer.trainer.base import BaseTrainer
@@ -20,15 +21,18 @@ TOKEN_KEYS = ("tokens", "input_ids")
 
 
 class Throughput(RankZeroCallback):
-    """Time each optimizer step on rank 0; keep step time, samples/s, tokens/s and MFU.
+    """Time each optimizer step on rank 0; keep step time, samples/s, tokens/s, MFU, memory.
 
     Values are means over the last ``window`` steps, kept in ``latest`` under
-    ``throughput/{step_time,samples_per_second,tokens_per_second,mfu}`` and, every ``window``
-    steps, passed to ``trainer.log_dict(values, step)`` when the trainer has one. Validation
-    and the time between epochs are not counted. Samples are counted over every data-parallel
+    ``throughput/{step_time,samples_per_second,tokens_per_second,mfu}``, memory figures in
+    ``memory``; every ``window`` steps both are passed to ``trainer.log_dict(values, step)``
+    when the trainer has one. Validation and the time between epochs are not counted. Samples are counted over every data-parallel
     rank; tokens from ``tokens_per_sample``, else from the ``numel()`` of a dict batch's
     ``"tokens"`` or ``"input_ids"`` tensor times ``dp_size``. MFU is ``flops_per_sample *
-    samples_per_second / (peak_flops * world_size)``, when both are given.
+    samples_per_second / (peak_flops * world_size)``, when both are given. Memory, in GiB:
+    ``memory/rss_gib``, rank 0's resident set size; on CUDA also
+    ``memory/cuda_allocated_peak_gib`` and ``memory/cuda_reserved_peak_gib``, the allocator's
+    peaks on rank 0's device since the logging window began.
 
     Args:
         flops_per_sample: Training FLOPs per sample (forward and backward, e.g. ``6 * n_params
@@ -56,10 +60,12 @@ class Throughput(RankZeroCallback):
         self.window = window
         self.tokens_per_sample = tokens_per_sample
         self.latest: dict[str, float] = {}
+        self.memory: dict[str, float] = {}
         self._step_times: deque[float] = deque(maxlen=window)
         self._step_tokens: deque[int] = deque(maxlen=window)
         self._window_tokens = 0
         self._last_time = 0.0
+        self._cuda_peaks: CudaPeakWindow | None = None
 
     @property
     def step_times(self) -> list[float]:
@@ -67,6 +73,11 @@ class Throughput(RankZeroCallback):
         return list(self._step_times)
 
     # -- hooks ---------------------------------------------------------------------------------
+    @override
+    def pre_fit(self) -> None:
+        device = self.trainer.world.device
+        self._cuda_peaks = CudaPeakWindow(device) if device.type == "cuda" else None
+
     @override
     def pre_train_epoch(self) -> None:
         self._window_tokens = 0
@@ -87,8 +98,10 @@ class Throughput(RankZeroCallback):
         self._window_tokens = 0
         self._last_time = now
         self.latest = self._measure()
-        if self.trainer.global_step % self.window == 0 and hasattr(self.trainer, "log_dict"):
-            self.trainer.log_dict(self.latest, self.trainer.global_step)
+        window_ends = self.trainer.global_step % self.window == 0
+        self.memory = self._memory(window_ends)
+        if window_ends and hasattr(self.trainer, "log_dict"):
+            self.trainer.log_dict({**self.latest, **self.memory}, self.trainer.global_step)
 
     @override
     def post_val_epoch(self, result: dict[str, Any]) -> None:
@@ -110,6 +123,18 @@ class Throughput(RankZeroCallback):
         if self.flops_per_sample is not None and self.peak_flops is not None:
             values["throughput/mfu"] = (self.flops_per_sample * samples_per_second
                                         / (self.peak_flops * world.world_size))
+        return values
+
+    def _memory(self, window_ends: bool) -> dict[str, float]:
+        values = {}
+        rss = process_rss_bytes()
+        if rss is not None:
+            values["memory/rss_gib"] = rss / GIB
+        if self._cuda_peaks is not None:
+            allocated, reserved = (self._cuda_peaks.read() if window_ends
+                                   else self._cuda_peaks.peek())
+            values["memory/cuda_allocated_peak_gib"] = allocated / GIB
+            values["memory/cuda_reserved_peak_gib"] = reserved / GIB
         return values
 
 

@@ -6,8 +6,8 @@ from datetime import timedelta
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import (BeforeValidator, PlainSerializer, PositiveInt, WithJsonSchema,
-                      model_validator)
+from pydantic import (BeforeValidator, NonNegativeInt, PlainSerializer, PositiveInt,
+                      WithJsonSchema, model_validator)
 
 from dream_trainer.configs.base import ConfigModel
 
@@ -82,6 +82,15 @@ class DeviceParameters(ConfigModel):
     """Collective timeout while the process group starts up and the model is set up."""
     train_timeout: timedelta = timedelta(minutes=5)
     """Collective timeout once the first training step has finished."""
+    flight_recorder_entries: NonNegativeInt | None = None
+    """Collectives the flight recorder keeps per process (its ring buffer), which
+    ``HangWatchdog`` dumps when it ends a hung rank; ``0`` turns it off. Sets
+    ``TORCH_FR_BUFFER_SIZE`` (formerly ``TORCH_NCCL_TRACE_BUFFER_SIZE``) before the process
+    group starts. ``None`` leaves the environment, and so torch's default (torch 2.13
+    records), as it is."""
+    detect_anomaly: bool = False
+    """Run ``fit()`` under ``torch.autograd.set_detect_anomaly(True)``: backward names the
+    forward operation that produced a NaN or a failing gradient (slow: for debugging)."""
 
     @model_validator(mode="before")
     @classmethod

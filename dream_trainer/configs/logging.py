@@ -18,3 +18,5 @@ class LoggingParameters(ConfigModel):
     """Log training step results every N optimizer steps (a host sync when logging)."""
     log_dir: Path = Path("outputs")
     """Logs go to ``<log_dir>/<project>/<group>/<experiment>/logs/``."""
+    histogram_bins: PositiveInt = 64
+    """Equal-width bins of the histograms ``log_histogram`` records (``Histograms`` callback)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -13,6 +13,9 @@ from pydantic import Field
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.logging import LoggingParameters
 from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.utils.media import (Histogram, ImagesLike, MediaFiles, check_images,
+                                       check_table, check_video, plain, to_uint8_images,
+                                       to_uint8_video)
 
 
 class LoggerMixin(AbstractTrainer):
@@ -22,8 +25,11 @@ class LoggerMixin(AbstractTrainer):
     with ``trainer/global_step`` and ``trainer/epoch`` (learning rates come from the
     ``LRMonitor`` callback, which logs through ``log_dict``); epoch results are logged after each training epoch (as
     ``train_epoch/<key>``) and validation pass (under their own keys). Backends override
-    ``start_logging``, ``log_dict``, ``log_config`` and ``finish`` and call ``super()``, so
-    several backend mixins on one trainer all receive everything.
+    ``start_logging``, ``log_dict``, ``log_config``, ``finish`` and the media methods
+    (``log_images``, ``log_video``, ``log_histogram``, ``log_table``, ``log_text``) and call
+    ``super()`` first, so several backend mixins on one trainer all receive everything. The
+    media methods log at the current ``global_step``, on global rank 0 only (other ranks have
+    no open run); here they check their arguments, on every rank, and log nothing.
     """
 
     @property
@@ -53,6 +59,59 @@ class LoggerMixin(AbstractTrainer):
 
     def finish(self) -> None:
         """Flush and close the backend's run."""
+
+    # -- media (backends override, calling super() first) ------------------------------------
+    def log_images(self, key: str, images: ImagesLike,
+                   captions: Sequence[str] | None = None) -> None:
+        """Record images under ``key`` at the current ``global_step``.
+
+        Args:
+            key: The name to log under.
+            images: ``(N, C, H, W)``, ``(C, H, W)``, ``(H, W)`` or a sequence of ``(C, H, W)``
+                tensors of one size; floats in [0, 1] (clamped) or uint8; C is 1, 3 or 4.
+            captions: One caption per image, or None.
+
+        Raises:
+            TypeError, ValueError: if the images or captions do not have that form.
+        """
+        check_images(images, captions)
+
+    def log_video(self, key: str, frames: torch.Tensor, fps: float) -> None:
+        """Record one video, ``(T, C, H, W)`` frames (floats in [0, 1] or uint8), played at
+        ``fps`` frames per second.
+
+        Raises:
+            TypeError, ValueError: if the frames do not have that form, or ``fps <= 0``.
+        """
+        check_video(frames, fps)
+
+    def log_histogram(self, key: str, values: torch.Tensor) -> None:
+        """Record the distribution of ``values`` (any shape) in
+        ``logging_parameters.histogram_bins`` equal-width bins over their finite values.
+
+        Raises:
+            TypeError: if ``values`` is not a tensor.
+        """
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"log_histogram({key!r}) takes a tensor of values, got "
+                            f"{type(values).__name__}: wrap it with torch.as_tensor(...)")
+
+    def log_table(self, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        """Record a table: ``columns`` names and ``rows`` of one value per column.
+
+        Raises:
+            ValueError: if a row's length differs from the number of columns.
+        """
+        check_table(columns, rows)
+
+    def log_text(self, key: str, text: str) -> None:
+        """Record a piece of text (markdown where the backend renders it).
+
+        Raises:
+            TypeError: if ``text`` is not a string.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"log_text({key!r}) takes a str, got {type(text).__name__}")
 
     # -- cadence -------------------------------------------------------------------------------
     def post_setup(self) -> None:
@@ -115,24 +174,63 @@ class JSONLoggerMixin(LoggerMixin):
     """Logs to ``<log_dir>/.../logs/metrics.jsonl``, one ``{"step": N, ...}`` object a line.
 
     Needs no package or account; a resumed run appends to the same file, so steps keep
-    increasing. The config is written to ``logs/config.json``.
+    increasing. The config is written to ``logs/config.json``. Images and videos are PNG and
+    animated PNG files under ``logs/media/``; their record holds
+    ``{"_type": "images", "paths": [...], "captions": [...]}`` or ``{"_type": "video",
+    "path": ..., "fps": ...}``, paths relative to ``logs/``. Histograms (``"histogram"``:
+    ``counts``, ``edges``, ...), tables (``"table"``: ``columns``, ``rows``) and text
+    (``"text"``: ``text``) are written in the record itself.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._json_file: IO[str] | None = None
+        self._json_media: MediaFiles | None = None
 
     def start_logging(self) -> None:
         super().start_logging()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._json_file = open(self.log_dir / "metrics.jsonl", "a")
+        self._json_media = MediaFiles(self.log_dir)
 
     def log_dict(self, values: Mapping[str, float], step: int | None = None) -> None:
         super().log_dict(values, step)
+        self._write_record(values, step)
+
+    def _write_record(self, values: Mapping[str, Any], step: int | None = None) -> None:
         if self._json_file is not None:
             record = {"step": self.global_step if step is None else step, **values}
             self._json_file.write(json.dumps(record) + "\n")
             self._json_file.flush()
+
+    def log_images(self, key: str, images: ImagesLike,
+                   captions: Sequence[str] | None = None) -> None:
+        super().log_images(key, images, captions)
+        if self._json_media is not None:
+            paths = self._json_media.images(key, self.global_step, to_uint8_images(images))
+            self._write_record({key: {"_type": "images", "paths": paths,
+                                      "captions": list(captions or [])}})
+
+    def log_video(self, key: str, frames: torch.Tensor, fps: float) -> None:
+        super().log_video(key, frames, fps)
+        if self._json_media is not None:
+            path = self._json_media.video(key, self.global_step, to_uint8_video(frames), fps)
+            self._write_record({key: {"_type": "video", "path": path, "fps": fps}})
+
+    def log_histogram(self, key: str, values: torch.Tensor) -> None:
+        super().log_histogram(key, values)
+        if self._json_file is not None:
+            histogram = Histogram.from_values(values, self.logging_parameters.histogram_bins)
+            self._write_record({key: {"_type": "histogram", **vars(histogram)}})
+
+    def log_table(self, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        super().log_table(key, columns, rows)
+        self._write_record({key: {"_type": "table", "columns": list(columns),
+                                  "rows": [[plain(value) for value in row] for row in rows]}})
+
+    def log_text(self, key: str, text: str) -> None:
+        super().log_text(key, text)
+        self._write_record({key: {"_type": "text", "text": text}})
 
     def log_config(self, config: dict[str, Any]) -> None:
         super().log_config(config)
@@ -143,3 +241,4 @@ class JSONLoggerMixin(LoggerMixin):
         if self._json_file is not None:
             self._json_file.close()
             self._json_file = None
+            self._json_media = None

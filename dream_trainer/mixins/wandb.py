@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
 from pydantic import Field
 
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.logging import LoggingParameters
 from dream_trainer.mixins.logging import LoggerMixin
+from dream_trainer.utils.media import (Histogram, ImagesLike, plain, to_uint8_images,
+                                       to_uint8_video)
 
 
 def _wandb() -> Any:
@@ -22,6 +26,23 @@ def _wandb() -> Any:
             "WandBLoggerMixin needs wandb: pip install 'dream-trainer[wandb]'"
         ) from exc
     return wandb
+
+
+def _encode_gif(frames: torch.Tensor, fps: float) -> bytes:
+    """Uint8 ``(T, H, W, C)`` frames as a looping GIF (the one animation format wandb takes
+    from memory without moviepy)."""
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise ImportError("WandBLoggerMixin.log_video needs pillow: pip install "
+                          "'dream-trainer[wandb]'") from exc
+    arrays = [frame.squeeze(-1).numpy() if frame.shape[-1] == 1 else frame.numpy()
+              for frame in frames]
+    images = [Image.fromarray(array) for array in arrays]
+    buffer = io.BytesIO()
+    images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:],
+                   duration=max(1, round(1000 / fps)), loop=0)
+    return buffer.getvalue()
 
 
 class WandBLoggerConfigMixin(ConfigModel):
@@ -42,7 +63,10 @@ class WandBLoggerMixin(LoggerMixin):
 
     ``wandb.init`` runs at the end of setup on rank 0, never at construction. The run id is
     saved in checkpoints and reused on resume, so a resumed run continues the same wandb run
-    and its steps keep increasing.
+    and its steps keep increasing. Media use wandb's types at the current ``global_step``:
+    ``wandb.Image`` (with its caption) per image, ``wandb.Video`` (a GIF), ``wandb.Histogram``
+    (the bins of ``log_histogram``), ``wandb.Table``, and a one-column ``wandb.Table`` for text.
+    Images and videos need pillow, which the ``wandb`` extra installs.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -77,6 +101,44 @@ class WandBLoggerMixin(LoggerMixin):
         super().log_dict(values, step)
         if self.wandb_run is not None:
             self.wandb_run.log(dict(values), step=self.global_step if step is None else step)
+
+    def log_images(self, key: str, images: ImagesLike,
+                   captions: Sequence[str] | None = None) -> None:
+        super().log_images(key, images, captions)
+        if self.wandb_run is not None:
+            wandb = _wandb()
+            pixels = to_uint8_images(images)
+            names = list(captions) if captions else [None] * len(pixels)
+            self._log_media(key, [wandb.Image(image.squeeze(-1).numpy() if image.shape[-1] == 1
+                                              else image.numpy(), caption=caption)
+                                  for image, caption in zip(pixels, names)])
+
+    def log_video(self, key: str, frames: torch.Tensor, fps: float) -> None:
+        super().log_video(key, frames, fps)
+        if self.wandb_run is not None:
+            gif = _encode_gif(to_uint8_video(frames), fps)
+            self._log_media(key, _wandb().Video(io.BytesIO(gif), format="gif"))
+
+    def log_histogram(self, key: str, values: torch.Tensor) -> None:
+        super().log_histogram(key, values)
+        if self.wandb_run is not None:
+            histogram = Histogram.from_values(values, self.logging_parameters.histogram_bins)
+            self._log_media(key, _wandb().Histogram(
+                np_histogram=(histogram.counts, histogram.edges)))
+
+    def log_table(self, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        super().log_table(key, columns, rows)
+        if self.wandb_run is not None:
+            self._log_media(key, _wandb().Table(
+                columns=list(columns), data=[[plain(value) for value in row] for row in rows]))
+
+    def log_text(self, key: str, text: str) -> None:
+        super().log_text(key, text)
+        if self.wandb_run is not None:
+            self._log_media(key, _wandb().Table(columns=["text"], data=[[text]]))
+
+    def _log_media(self, key: str, value: Any) -> None:
+        self.wandb_run.log({key: value}, step=self.global_step)
 
     def log_config(self, config: dict[str, Any]) -> None:
         super().log_config(config)

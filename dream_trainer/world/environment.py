@@ -1,4 +1,4 @@
-"""The launcher's environment, read in exactly one place."""
+"""The process environment: the launcher's variables and torch's, read and written here only."""
 
 from __future__ import annotations
 
@@ -51,3 +51,18 @@ class LaunchEnvironment:
         if not 0 <= rank < world_size:
             raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
         return cls(rank, local_rank, world_size, local_world_size, True, restart_count)
+
+
+FLIGHT_RECORDER_SIZE = "TORCH_FR_BUFFER_SIZE"
+"""torch's variable for the flight recorder's ring buffer size, read when a process group
+starts; ``TORCH_NCCL_TRACE_BUFFER_SIZE`` is its deprecated former name."""
+_FLIGHT_RECORDER_SIZE_BEFORE = "TORCH_NCCL_TRACE_BUFFER_SIZE"
+
+
+def set_flight_recorder_entries(entries: int) -> None:
+    """Keep ``entries`` collectives in the flight recorder of process groups created later."""
+    os.environ[FLIGHT_RECORDER_SIZE] = str(entries)
+    # Set by the user under the old name, it is updated too, so that the two never disagree
+    # for a torch that reads only that one.
+    if _FLIGHT_RECORDER_SIZE_BEFORE in os.environ:
+        os.environ[_FLIGHT_RECORDER_SIZE_BEFORE] = str(entries)

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dream_trainer.configs.device import DeviceParameters
 from dream_trainer.world.dims import MeshAxis, ParallelDims
-from dream_trainer.world.environment import LaunchEnvironment
+from dream_trainer.world.environment import LaunchEnvironment, set_flight_recorder_entries
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class DistributedWorld:
         self.mesh: DeviceMesh | None = None
         self._flat_meshes: dict[MeshAxis, DeviceMesh] = {}
         self._owns_process_group = False
+        self._anomaly_before: bool | None = None
 
     @staticmethod
     def _pick_device(choice: str, local_rank: int) -> torch.device:
@@ -131,11 +132,17 @@ class DistributedWorld:
 
         A process group that already exists is reused and left alone by ``shutdown()``.
         Without a launcher, a one-process group on an in-memory store is created, so that
-        collectives and meshes behave the same in a plain ``python train.py``.
+        collectives and meshes behave the same in a plain ``python train.py``. With
+        ``detect_anomaly``, autograd anomaly detection is on until ``shutdown()``.
         """
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        if self.device_parameters.detect_anomaly and self._anomaly_before is None:
+            self._anomaly_before = torch.is_anomaly_enabled()
+            torch.autograd.set_detect_anomaly(True)
         if not dist.is_initialized():
+            if self.device_parameters.flight_recorder_entries is not None:
+                set_flight_recorder_entries(self.device_parameters.flight_recorder_entries)
             timeout = self.device_parameters.init_timeout
             if self.env.launched:
                 store, rank, world_size = next(
@@ -208,7 +215,7 @@ class DistributedWorld:
             dist.barrier()
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Destroy the process group created by ``launch()``.
+        """Destroy the process group created by ``launch()``; restore anomaly detection.
 
         Args:
             graceful: When True, all ranks meet at a barrier first: an abrupt gloo teardown
@@ -217,6 +224,9 @@ class DistributedWorld:
         """
         self.mesh = None
         self._flat_meshes.clear()
+        if self._anomaly_before is not None:
+            torch.autograd.set_detect_anomaly(self._anomaly_before)
+            self._anomaly_before = None
         if not (self._owns_process_group and dist.is_initialized()):
             return
         try:

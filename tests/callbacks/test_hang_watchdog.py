@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import pickle
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -59,8 +61,8 @@ def test_timeout_must_be_positive_and_finite(timeout: float) -> None:
 
 
 @pytest.mark.distributed
-def test_hung_rank_and_its_blocked_peer_are_ended_with_their_stacks() -> None:
-    procs = spawn_ranks(SCRIPT, ["hang"])
+def test_hung_rank_and_its_blocked_peer_are_ended_with_their_stacks(tmp_path: Path) -> None:
+    procs = spawn_ranks(SCRIPT, ["hang", str(tmp_path)])
     outputs = []
     try:
         for proc in procs:
@@ -82,6 +84,15 @@ def test_hung_rank_and_its_blocked_peer_are_ended_with_their_stacks() -> None:
         assert "Thread 0x" in output and "hang_run.py" in output, output
         assert " in training_step" in output, output
         assert "finished without hanging" not in output, output
+        assert f"flight recorder of rank {rank} written to {tmp_path}" in output, output
+    # The flight recorders: rank 0's last collective (the step's gradient all-reduce) is still
+    # in flight ("retired" False), because rank 1 never joined it; rank 1's collectives all
+    # finished, one fewer.
+    dumps = [pickle.loads((tmp_path / f"flight_recorder_{rank}").read_bytes()) for rank in (0, 1)]
+    last = [dump["entries"][-1] for dump in dumps]
+    assert last[0]["profiling_name"] == "gloo:all_reduce" and not last[0]["retired"], last
+    assert all(entry["retired"] for entry in dumps[1]["entries"]), last
+    assert last[0]["collective_seq_id"] == last[1]["collective_seq_id"] + 1, last
 
 
 def test_slow_progress_setup_and_stop_training_are_not_hangs() -> None:

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.nn.functional as F
 
 from dream_trainer.callbacks import Callback
 from dream_trainer.callbacks.progress_bar import ProgressBar
+from dream_trainer.utils.memory import process_rss_bytes
 from tests.helpers.launch import REPO, check, child_env, torchrun
 from tests.helpers.toy import ToyTrainer, toy_config
 
@@ -58,6 +60,10 @@ def fit_plain(monkeypatch: pytest.MonkeyPatch, bar: ProgressBar, clock: FakeCloc
     return output.splitlines()
 
 
+# On the CPU every refresh ends with the process's resident set size.
+RSS = r" rss \d+\.\d\d GiB"
+
+
 def ema(values: list[float], smoothing: float) -> list[float]:
     averages = [values[0]]
     for value in values[1:]:
@@ -82,7 +88,7 @@ def test_plain_lines_have_the_exact_format_and_values(monkeypatch: pytest.Monkey
         epoch = (step - 1) // 4 + 1
         # 16 samples per 0.5 s step; validation time (30 s a batch) is not training time.
         match = re.fullmatch(rf"epoch {epoch}/3 step {step}/12 loss (\d+\.\d{{4}}) "
-                             rf"32\.0 samples/s eta 0:00:0{(12 - step) // 2}", line)
+                             rf"32\.0 samples/s eta 0:00:0{(12 - step) // 2}{RSS}", line)
         assert match, line
         assert float(match.group(1)) == pytest.approx(smoothed[step - 1], abs=1e-4)
         if step % 4 == 0:
@@ -98,7 +104,7 @@ def test_max_steps_sets_the_totals_and_the_last_step_refreshes(
     progress = [line.split(" loss ")[0] for line in lines if line.startswith("epoch")]
     assert progress == ["epoch 1/2 step 4/6", "epoch 2/2 step 6/6"]
     assert lines[-1].startswith("validation epoch 2: val_loss=")
-    assert re.search(r" 8\.0 samples/s eta 0:00:02$", lines[0])
+    assert re.search(rf" 8\.0 samples/s eta 0:00:02{RSS}$", lines[0])
 
 
 def test_by_default_the_display_refreshes_by_time_not_every_step(
@@ -132,8 +138,27 @@ def test_results_without_a_loss_show_speed_only(monkeypatch: pytest.MonkeyPatch)
 
     bar = ProgressBar(stream=io.StringIO())
     lines = fit_plain(monkeypatch, bar, FakeClock(0.5), NoLoss, n_samples=16)
-    assert lines[:2] == ["epoch 1/1 step 1/2 16.0 samples/s eta 0:00:00",
-                         "epoch 1/1 step 2/2 16.0 samples/s eta 0:00:00"]
+    assert re.fullmatch(rf"epoch 1/1 step 1/2 16\.0 samples/s eta 0:00:00{RSS}", lines[0])
+    assert re.fullmatch(rf"epoch 1/1 step 2/2 16\.0 samples/s eta 0:00:00{RSS}", lines[1])
+
+
+def test_memory_is_the_process_rss_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    bar = ProgressBar(refresh_every_n_steps=1, stream=io.StringIO())
+    lines = fit_plain(monkeypatch, bar, FakeClock(0.5), n_samples=16)
+    shown = float(re.search(r" rss (\d+\.\d\d) GiB$", lines[-2]).group(1))  # type: ignore[union-attr]
+    rss = process_rss_bytes()
+    assert rss is not None and "mem " not in lines[-2]  # no CUDA peaks off CUDA
+    # A moment later, the same within what the last validation pass allocated.
+    assert shown == pytest.approx(rss / 2**30, rel=0.2, abs=0.01)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_memory_is_the_allocator_peaks_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    bar = ProgressBar(refresh_every_n_steps=1, stream=io.StringIO())
+    lines = fit_plain(monkeypatch, bar, FakeClock(0.5), n_samples=16)
+    match = re.search(r" mem (\d+\.\d\d)/(\d+\.\d\d) GiB$", lines[-2])
+    assert match and " rss " not in lines[-2], lines
+    assert float(match.group(1)) <= float(match.group(2))
 
 
 @pytest.mark.parametrize("kwargs", [{"refresh_every_n_steps": 0}, {"smoothing": 0.0},
@@ -190,5 +215,5 @@ def test_only_rank_zero_prints_and_samples_count_every_rank(tmp_path: Path) -> N
     # 64 samples over 2 ranks in batches of 8: 4 steps of 16 samples, 0.5 s each.
     assert [line.split(" loss ")[0] for line in lines[:2]] == ["epoch 1/1 step 2/4",
                                                                "epoch 1/1 step 4/4"]
-    assert lines[0].endswith(" 32.0 samples/s eta 0:00:01")
+    assert re.search(rf" 32\.0 samples/s eta 0:00:01{RSS}$", lines[0])
     assert len(lines) == 3 and lines[2].startswith("validation epoch 1: val_loss=")

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from dream_trainer.callbacks import Callback
 from dream_trainer.callbacks.throughput import Throughput
+from dream_trainer.utils.memory import process_rss_bytes
 from tests.helpers.toy import ToyTrainer, toy_config, toy_dataset
 
 
@@ -123,8 +124,32 @@ def test_a_clock_that_does_not_move_gives_nan_not_an_error(
 def test_values_are_logged_every_window_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     trainer = fit(monkeypatch, Throughput(window=3), FakeClock(0.5), Logging, n_samples=64)
     assert [step for _, step in trainer.logged] == [3, 6]  # type: ignore[attr-defined]
-    assert trainer.logged[0][0] == {  # type: ignore[attr-defined]
+    logged = trainer.logged[0][0]  # type: ignore[attr-defined]
+    assert {key: value for key, value in logged.items() if key.startswith("throughput/")} == {
         "throughput/step_time": 0.5, "throughput/samples_per_second": 16.0}
+    # Memory comes along; the CUDA peaks only on CUDA.
+    assert set(logged) - {"throughput/step_time", "throughput/samples_per_second"} == {
+        "memory/rss_gib"}
+
+
+def test_memory_is_the_process_rss(monkeypatch: pytest.MonkeyPatch) -> None:
+    throughput = Throughput(window=2)
+    fit(monkeypatch, throughput, FakeClock(0.5), Logging, n_samples=64)
+    rss = process_rss_bytes()
+    assert rss is not None
+    assert set(throughput.memory) == {"memory/rss_gib"}
+    # The process's RSS a moment later: the same within what a few steps allocate.
+    assert throughput.memory["memory/rss_gib"] == pytest.approx(rss / 2**30, rel=0.2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peaks_are_logged_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    throughput = Throughput(window=2)
+    trainer = fit(monkeypatch, throughput, FakeClock(0.5), Logging, n_samples=64)
+    assert trainer.world.device.type == "cuda"
+    logged = trainer.logged[0][0]  # type: ignore[attr-defined]
+    allocated = logged["memory/cuda_allocated_peak_gib"]
+    assert 0 < allocated <= logged["memory/cuda_reserved_peak_gib"]
 
 
 @pytest.mark.parametrize("kwargs", [{"window": 0}, {"flops_per_sample": 0.0},

@@ -3,6 +3,7 @@
 ``hang`` (2 ranks): rank 1 sleeps forever in training_step at global step 2 while rank 0
 waits for it in a collective. Rank 0's watchdog (3 s) ends rank 0 while rank 1 still sleeps,
 so rank 0 is ended by its own watchdog, not by a broken connection; rank 1's (5 s) ends rank 1.
+Both dump their flight recorders to the directory given as the second argument.
 
 ``progress`` (1 process): setup, and every step, are slow but each within the timeout or before
 the watchdog arms; StopTraining then ends fit() without post_fit, and the process lives on
@@ -49,7 +50,7 @@ class StopAfterFirstEpoch(Callback):
 
 
 def hang() -> None:
-    watchdog = HangWatchdog(timeout=3.0 + 2.0 * int(os.environ["RANK"]))
+    watchdog = HangWatchdog(timeout=3.0 + 2.0 * int(os.environ["RANK"]), trace_dir=sys.argv[2])
     HangsOnRankOne(toy_config(callbacks=[watchdog], n_epochs=5, n_samples=160)).fit()
     print("finished without hanging")
 

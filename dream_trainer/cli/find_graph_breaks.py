@@ -1,0 +1,169 @@
+"""``dream-trainer find-graph-breaks``: where and why ``torch.compile`` splits each block."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dream_trainer.cli.arguments import add_target
+from dream_trainer.cli.session import sandboxed, set_up
+from dream_trainer.cli.target import load_trainer
+from dream_trainer.parallel.blocks import find_blocks
+from dream_trainer.trainer.base import BaseTrainer
+from dream_trainer.data.batch import move_to_device
+
+# Lines of a dynamo graph-break reason after which it only addresses torch developers.
+_REASON_END = ("Developer debug context", "For more details")
+
+
+@dataclass
+class BlockReport:
+    """What ``torch._dynamo.explain`` found for one block."""
+
+    name: str
+    kind: str
+    graphs: int
+    breaks: list[str]
+
+
+def add_parser(commands: Any) -> argparse.ArgumentParser:
+    parser = commands.add_parser(
+        "find-graph-breaks", allow_abbrev=False,
+        help="report where torch.compile breaks each compiled block's graph, and why",
+        description="In one process, set the trainer up as fit() would, run one training step "
+                    "on the first train batch to record the inputs of every block that "
+                    "apply_compile compiles by default (the blocks find_blocks returns, or each "
+                    "whole model without blocks), then run torch._dynamo.explain on each block "
+                    "with those inputs and print every graph break with its reason and the "
+                    "line of your code that caused it. Blocks with the same breaks as an "
+                    "earlier one of their class are listed once. Checkpoints and logs are "
+                    "kept out of the run's directories.")
+    add_target(parser)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    trainer = load_trainer(args.target, overrides)
+    if trainer.world.world_size > 1:
+        print("dream-trainer find-graph-breaks: error: it runs in one process; run it with "
+              "python, not torchrun", file=sys.stderr)
+        return 2
+    with sandboxed(trainer):
+        # TODO(lead): use the public trainer.set_up() once it lands on main.
+        with set_up(trainer):
+            reports = _explain_blocks(trainer)
+    _print(reports)
+    return 0
+
+
+def _explain_blocks(trainer: BaseTrainer) -> list[BlockReport]:
+    blocks = _compiled_units(trainer)
+    inputs = _record_inputs(trainer, blocks)
+    reports = []
+    for name, block in blocks.items():
+        if name not in inputs:
+            print(f"{name}: not called by the training step, not explained", file=sys.stderr)
+            continue
+        block_args, block_kwargs = inputs[name]
+        with trainer.precision.autocast():
+            explained = torch._dynamo.explain(block)(*block_args, **block_kwargs)
+        reports.append(BlockReport(name, type(block).__name__, explained.graph_count,
+                                   [_describe(reason) for reason in explained.break_reasons]))
+        torch._dynamo.reset()
+    return reports
+
+
+def _compiled_units(trainer: BaseTrainer) -> dict[str, nn.Module]:
+    """The modules the default ``apply_compile`` compiles, by dotted name, uncompiled.
+
+    A compiled block (``compile_model=True``) is put back as the module it wraps, so that the
+    training step runs eagerly and explain sees the user's code.
+    """
+    units: dict[str, nn.Module] = {}
+    for model_name, model in trainer.named_models().items():
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+            setattr(trainer, model_name, model)
+        blocks = find_blocks(model)
+        if not blocks:
+            units[model_name] = model
+        names = {id(module): name for name, module in model.named_modules()}
+        for container, block_name, block in blocks:
+            if isinstance(block, torch._dynamo.eval_frame.OptimizedModule):
+                setattr(container, block_name, block._orig_mod)
+                block = block._orig_mod
+            units[f"{model_name}.{names[id(container)]}.{block_name}".replace("..", ".")] = block
+    return units
+
+
+def _record_inputs(trainer: BaseTrainer, blocks: dict[str, nn.Module]
+                   ) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Each block's arguments at its first call in one training step on the first batch."""
+    recorded: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+
+    def recorder(name: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if name not in recorded:
+                recorded[name] = (tuple(_detached(a) for a in args),
+                                  {k: _detached(v) for k, v in kwargs.items()})
+        return hook
+
+    handles = [block.register_forward_pre_hook(recorder(name), with_kwargs=True)
+               for name, block in blocks.items()]
+    batch = move_to_device(next(iter(trainer.train_dataloader)), trainer.world.device)
+    trainer.training = True  # what fit() sets around training steps: backward() checks it
+    for model in trainer.named_models().values():
+        model.train()
+    try:
+        with trainer.precision.autocast():
+            trainer.training_step(batch, 0)
+    finally:
+        trainer.training = False
+        for handle in handles:
+            handle.remove()
+    return recorded
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _describe(reason: Any) -> str:
+    """The user's line that broke the graph, then dynamo's reason for the user."""
+    lines = []
+    for line in str(reason.reason).splitlines():
+        if line.strip().startswith(_REASON_END):
+            break
+        if line.strip():
+            lines.append(line.strip())
+    frames = list(reason.user_stack)
+    where = (f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames
+             else "(no user frame)")
+    source = f"\n    {frames[-1].line.strip()}" if frames and frames[-1].line else ""
+    return where + source + "".join(f"\n    {line}" for line in lines)
+
+
+def _print(reports: list[BlockReport]) -> None:
+    seen: dict[tuple[str, tuple[str, ...]], str] = {}
+    total = 0
+    for report in reports:
+        count = len(report.breaks)
+        total += count
+        header = (f"{report.name} ({report.kind}): {report.graphs} "
+                  f"graph{'s' if report.graphs != 1 else ''}, {count} "
+                  f"graph break{'s' if count != 1 else ''}")
+        same = seen.setdefault((report.kind, tuple(report.breaks)), report.name)
+        if same != report.name:
+            print(f"{header}, the same as {same}")
+            continue
+        print(header)
+        for index, description in enumerate(report.breaks, start=1):
+            print(f"  {index}. {description}")
+    print(f"{len(reports)} block{'s' if len(reports) != 1 else ''} explained, {total} graph "
+          f"break{'s' if total != 1 else ''} in all")

@@ -1,0 +1,128 @@
+"""``CSVLoggerMixin``: one CSV file, one column per key, readable by any spreadsheet."""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from pydantic import Field
+
+from dream_trainer.configs.base import ConfigModel
+from dream_trainer.configs.logging import LoggingParameters
+from dream_trainer.mixins.logging import LoggerMixin
+from dream_trainer.utils.media import (Histogram, ImagesLike, MediaFiles, to_uint8_images,
+                                       to_uint8_video)
+
+
+class CSVLoggerConfigMixin(ConfigModel):
+    """Adds ``logging_parameters`` for ``CSVLoggerMixin``."""
+
+    logging_parameters: LoggingParameters = Field(default_factory=LoggingParameters)
+    """Logging cadence and location (the file is ``<log_dir>/.../logs/metrics.csv``)."""
+
+
+class CSVLoggerMixin(LoggerMixin):
+    """Logs to ``<log_dir>/<project>/<group>/<experiment>/logs/metrics.csv``: a ``step``
+    column, then one column per key in the order keys first appeared, one row per log call
+    (empty cells for the keys it did not log).
+
+    A key first seen after rows were written (validation's, say) adds a column: the file is
+    rewritten with the wider header into a temporary file that then replaces it, so it is
+    never left half-written. A resumed run reads the header back and appends. Images, videos,
+    histograms and tables are written under ``logs/media/`` (see ``JSONLoggerMixin``) and
+    their cell holds the path relative to ``logs/`` (images: the paths joined by ``;``);
+    text goes in its cell.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._csv_file: IO[str] | None = None
+        self._csv_columns: list[str] = []
+        self._csv_media: MediaFiles | None = None
+
+    @property
+    def csv_path(self) -> Path:
+        """``log_dir / "metrics.csv"``."""
+        return self.log_dir / "metrics.csv"
+
+    def start_logging(self) -> None:
+        super().start_logging()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._csv_columns = ["step"]
+        if self.csv_path.exists() and self.csv_path.stat().st_size:
+            with open(self.csv_path, newline="") as existing:
+                self._csv_columns = next(csv.reader(existing), None) or ["step"]
+        else:
+            self.csv_path.write_text(",".join(self._csv_columns) + "\n")
+        self._csv_file = open(self.csv_path, "a", newline="")
+        self._csv_media = MediaFiles(self.log_dir)
+
+    def log_dict(self, values: Mapping[str, float], step: int | None = None) -> None:
+        super().log_dict(values, step)
+        self._write_row(values, step)
+
+    def log_images(self, key: str, images: ImagesLike,
+                   captions: Sequence[str] | None = None) -> None:
+        super().log_images(key, images, captions)
+        if self._csv_media is not None:
+            paths = self._csv_media.images(key, self.global_step, to_uint8_images(images))
+            self._write_row({key: ";".join(paths)})
+
+    def log_video(self, key: str, frames: torch.Tensor, fps: float) -> None:
+        super().log_video(key, frames, fps)
+        if self._csv_media is not None:
+            self._write_row({key: self._csv_media.video(key, self.global_step,
+                                                        to_uint8_video(frames), fps)})
+
+    def log_histogram(self, key: str, values: torch.Tensor) -> None:
+        super().log_histogram(key, values)
+        if self._csv_media is not None:
+            histogram = Histogram.from_values(values, self.logging_parameters.histogram_bins)
+            self._write_row({key: self._csv_media.histogram(key, self.global_step, histogram)})
+
+    def log_table(self, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        super().log_table(key, columns, rows)
+        if self._csv_media is not None:
+            self._write_row({key: self._csv_media.table(key, self.global_step, columns, rows)})
+
+    def log_text(self, key: str, text: str) -> None:
+        super().log_text(key, text)
+        self._write_row({key: text})
+
+    def finish(self) -> None:
+        super().finish()
+        if self._csv_file is not None:
+            self._csv_file.close()
+            self._csv_file = None
+            self._csv_media = None
+
+    def _write_row(self, values: Mapping[str, Any], step: int | None = None) -> None:
+        if self._csv_file is None:
+            return
+        new = [key for key in values if key not in self._csv_columns]
+        if new:
+            self._widen(new)
+        row = {"step": self.global_step if step is None else step, **values}
+        csv.DictWriter(self._csv_file, self._csv_columns).writerow(row)
+        self._csv_file.flush()
+
+    def _widen(self, new_columns: list[str]) -> None:
+        """Rewrite the file with ``new_columns`` added to the header (their old cells empty)."""
+        assert self._csv_file is not None
+        self._csv_file.close()
+        with open(self.csv_path, newline="") as old:
+            rows = list(csv.DictReader(old))
+        self._csv_columns += new_columns
+        partial = self.csv_path.with_name(self.csv_path.name + ".tmp")
+        with open(partial, "w", newline="") as wider:
+            writer = csv.DictWriter(wider, self._csv_columns)
+            writer.writeheader()
+            writer.writerows(rows)
+            wider.flush()
+            os.fsync(wider.fileno())
+        os.replace(partial, self.csv_path)
+        self._csv_file = open(self.csv_path, "a", newline="")
