@@ -55,7 +55,7 @@ class Tiny(DreamTrainer):
 def test_5000_steps_leak_nothing_and_rotate_checkpoints(tmp_path: Path) -> None:
     config = DreamTrainerConfig(
         project="long", group="tests", experiment="run",
-        training_parameters=TrainingParameters(n_epochs=10, train_batch_size=8),
+        training_parameters=TrainingParameters(n_epochs=10, train_batch_size=8, val_batch_size=32),
         checkpoint_parameters=CheckpointParameters(root_dir=tmp_path, every_n_steps=250,
                                                    keep_top_k=3),
         logging_parameters=LoggingParameters(log_dir=tmp_path, log_every_n_steps=50),
