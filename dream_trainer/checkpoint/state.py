@@ -1,7 +1,23 @@
-"""The trainer's full state as torch Distributed Checkpoint (DCP) saves and loads it."""
+"""The trainer's full state as torch Distributed Checkpoint (DCP) saves and loads it.
+
+Tensors are DCP's to shard and reshard: the models' and optimizers' keyed by parameter
+name, and those inside the loop's other state (an EMA callback's sharded averages, say)
+keyed by their path. Everything else (schedulers, counters, callbacks, the user's extra
+state) is Python objects, stored as one opaque blob with its tensors replaced by references:
+DCP would otherwise flatten their dicts and lists into one key per element and refuse to
+load a list that grew or a key that an older checkpoint lacks. That blob is shared (written
+once; every rank holds the same); each process also writes a blob of its own, under its own
+key, with its random generators and ``rank_state_dict()``.
+"""
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import io
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,10 +29,102 @@ from dream_trainer.checkpoint.rng import rng_state
 if TYPE_CHECKING:
     from dream_trainer.trainer.abstract import AbstractTrainer
 
+SHARED = "objects"
+"""Key (under ``state.``) of the blob every rank holds the same."""
+TENSORS = "tensors"
+"""Key (under ``state.``) of the tensors taken out of that blob, by path."""
 
-def rng_key(rank: int) -> str:
-    """Each rank's generators are saved under their own key, so none is deduplicated away."""
-    return f"rng_rank{rank}"
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where a tensor stood in a blob; the tensor itself is saved by DCP under ``path``."""
+
+    path: str
+
+
+def split_tensors(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """``value`` with every tensor replaced by a ``TensorRef``, the tensors put in
+    ``tensors`` by path (containers keep their types)."""
+    if isinstance(value, torch.Tensor):
+        tensors[path] = value
+        return TensorRef(path)
+    if isinstance(value, dict):
+        split = copy.copy(value)  # keeps the subclass (OrderedDict, defaultdict)
+        for key, item in value.items():
+            split[key] = split_tensors(item, _join(path, key), tensors)
+        return split
+    if isinstance(value, (list, tuple)):
+        items = [split_tensors(item, _join(path, index), tensors)
+                 for index, item in enumerate(value)]
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*items)
+        return type(value)(items)
+    return value
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def join_tensors(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """The inverse of ``split_tensors``."""
+    if isinstance(value, TensorRef):
+        return tensors[value.path]
+    if isinstance(value, dict):
+        joined = copy.copy(value)
+        for key, item in value.items():
+            joined[key] = join_tensors(item, tensors)
+        return joined
+    if isinstance(value, (list, tuple)):
+        items = [join_tensors(item, tensors) for item in value]
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*items)
+        return type(value)(items)
+    return value
+
+
+def rank_key(rank: int) -> str:
+    """Key (under ``state.``) of one process's own blob: its generators and user state."""
+    return f"rank{rank}"
+
+
+def pack(value: Any) -> bytes:
+    """``value`` (tensors included) as bytes that DCP stores whole."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def unpack(blob: bytes, device: torch.device) -> Any:
+    """The object ``pack`` turned into ``blob``; its tensors land on ``device``."""
+    return torch.load(io.BytesIO(blob), map_location=device, weights_only=False)
+
+
+def digest(value: Any) -> str:
+    """A hash of ``value``'s contents that is the same on every rank for equal values
+    (tensors are hashed by dtype, shape and bytes, wherever they live)."""
+    hasher = hashlib.sha256()
+    _feed(hasher, value)
+    return hasher.hexdigest()
+
+
+def _feed(hasher: Any, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous()
+        hasher.update(f"tensor{tensor.dtype}{tuple(tensor.shape)}".encode())
+        hasher.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+                      if tensor.numel() else b"")
+    elif isinstance(value, Mapping):
+        hasher.update(f"map{len(value)}".encode())
+        for key in sorted(value, key=repr):
+            _feed(hasher, key)
+            _feed(hasher, value[key])
+    elif isinstance(value, (list, tuple)):
+        hasher.update(f"{type(value).__name__}{len(value)}".encode())
+        for item in value:
+            _feed(hasher, item)
+    else:
+        hasher.update(pickle.dumps(value))
 
 
 def optimizer_owner(trainer: AbstractTrainer, name: str,
@@ -37,7 +145,7 @@ def optimizer_owner(trainer: AbstractTrainer, name: str,
 
 
 class TrainingState:
-    """Models, optimizers, schedulers, trainer counters and callbacks, and this rank's RNG.
+    """Models, optimizers, schedulers, trainer counters and callbacks, and per-rank state.
 
     Model and optimizer states come from ``get_model_state_dict``/``get_optimizer_state_dict``,
     so they are keyed by parameter name and sharded as the model is (DDP, FSDP2, TP), which
@@ -46,15 +154,17 @@ class TrainingState:
     Args:
         trainer: The trainer whose state this is.
         weights_only: Only the models (fine-tuning from another run).
-        with_rng: Include this rank's generator state (absent when loading a checkpoint
-            written by fewer ranks).
+        saved: When loading, the checkpoint's ``{key: metadata}``: a per-rank blob is only
+            asked for when present (a checkpoint written by fewer ranks has none for this
+            rank), and the blob's tensors are loaded into the live ones where they still
+            exist (in place, sharded), else into new tensors of the saved size.
     """
 
     def __init__(self, trainer: AbstractTrainer, weights_only: bool = False,
-                 with_rng: bool = True) -> None:
+                 saved: Mapping[str, Any] | None = None) -> None:
         self.trainer = trainer
         self.weights_only = weights_only
-        self.with_rng = with_rng and not weights_only
+        self.saved = saved
         self.loaded_rng: dict[str, Any] | None = None
         self.resumed_mid_epoch = False
 
@@ -73,13 +183,34 @@ class TrainingState:
         state["optimizers"] = {
             name: get_optimizer_state_dict(optimizer_owner(trainer, name, opt), opt)
             for name, opt in trainer.named_optimizers().items()}
-        state["schedulers"] = {name: scheduler.state_dict()
-                               for name, scheduler in trainer.named_schedulers().items()}
-        state["trainer"] = trainer.state_dict()
-        state["extra"] = trainer.extra_state_dict()
-        if self.with_rng:
-            state[rng_key(trainer.world.rank)] = rng_state()
+        tensors: dict[str, torch.Tensor] = {}
+        state[SHARED] = pack(split_tensors({
+            "schedulers": {name: scheduler.state_dict()
+                           for name, scheduler in trainer.named_schedulers().items()},
+            "trainer": trainer.state_dict(),
+            "extra": trainer.extra_state_dict(),
+            "world_size": trainer.world.world_size,
+        }, "", tensors))
+        state[TENSORS] = tensors if self.saved is None else self._load_targets(tensors)
+        key = rank_key(trainer.world.rank)
+        if self.saved is None or f"state.{key}" in self.saved:
+            state[key] = pack({"rng": rng_state(), "user": trainer.rank_state_dict()})
         return state
+
+    def _load_targets(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A tensor for every saved one: the live tensor at its path if it has its shape."""
+        assert self.saved is not None
+        prefix = f"state.{TENSORS}."
+        targets = {}
+        for key, meta in self.saved.items():
+            if not key.startswith(prefix) or not hasattr(meta, "size"):
+                continue
+            path = key.removeprefix(prefix)
+            current = live.get(path)
+            targets[path] = current if current is not None \
+                and tuple(current.shape) == tuple(meta.size) \
+                else torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        return targets
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
@@ -93,9 +224,47 @@ class TrainingState:
         for name, optimizer in trainer.named_optimizers().items():
             set_optimizer_state_dict(optimizer_owner(trainer, name, optimizer), optimizer,
                                      state_dict["optimizers"][name])
+        device = trainer.world.device
+        shared = join_tensors(unpack(state_dict[SHARED], device),
+                              state_dict.get(TENSORS, {}))
         for name, scheduler in trainer.named_schedulers().items():
-            scheduler.load_state_dict(state_dict["schedulers"][name])
-        trainer.load_state_dict(state_dict["trainer"])
-        trainer.load_extra_state_dict(state_dict.get("extra", {}))
-        self.resumed_mid_epoch = int(state_dict["trainer"].get("batch_in_epoch", 0)) > 0
-        self.loaded_rng = state_dict.get(rng_key(trainer.world.rank))
+            if name not in shared["schedulers"]:
+                raise CheckpointError(f"the checkpoint has no state for scheduler {name!r} "
+                                      f"(it has {sorted(shared['schedulers'])})")
+            scheduler.load_state_dict(shared["schedulers"][name])
+        trainer.load_state_dict(shared["trainer"])
+        trainer.load_extra_state_dict(shared["extra"])
+        self.resumed_mid_epoch = int(shared["trainer"].get("batch_in_epoch", 0)) > 0
+        own = state_dict.get(rank_key(trainer.world.rank))
+        mine = unpack(own, device) if own is not None else None
+        self.loaded_rng = None if mine is None else mine["rng"]
+        saved_world = int(shared["world_size"])
+        if saved_world == trainer.world.world_size and mine is not None:
+            trainer.load_rank_state_dict(mine["user"])
+        elif trainer.rank_state_dict():
+            raise CheckpointError(
+                f"the checkpoint keeps per-rank state (rank_state_dict) for {saved_world} "
+                f"processes, and this run has {trainer.world.world_size}: each process's "
+                "state can only go back to the same process; resume with "
+                f"{saved_world} processes, or from a checkpoint without per-rank state"
+            )
+
+
+def check_shared(gathered: list[dict[str, str]]) -> None:
+    """Refuse to save shared extra state that differs between ranks.
+
+    Args:
+        gathered: Every rank's ``{key: digest(value)}`` of its ``extra_state_dict()``.
+
+    Raises:
+        CheckpointError: naming the keys whose values differ.
+    """
+    differing = sorted({key for digests in gathered for key in digests
+                        if len({other.get(key) for other in gathered}) > 1})
+    if differing:
+        raise CheckpointError(
+            f"extra_state_dict() returns {', '.join(map(repr, differing))} with different "
+            "values on different ranks, but it is saved once, as state every rank shares: "
+            "only one rank's value would come back on resume. Return per-rank state from "
+            "rank_state_dict() instead (saved for each rank and restored to the same rank)"
+        )

@@ -23,7 +23,7 @@ from dream_trainer.checkpoint.layout import (CONFIG, INFO, METADATA, CheckpointE
                                              verify_files)
 from dream_trainer.checkpoint.lock import RunLock
 from dream_trainer.checkpoint.rng import set_rng_state
-from dream_trainer.checkpoint.state import TrainingState, rng_key
+from dream_trainer.checkpoint.state import SHARED, TrainingState, check_shared, digest
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.checkpoint import CheckpointParameters
 from dream_trainer.parallel.dtensor import local_tensor
@@ -193,6 +193,7 @@ class CheckpointMixin(AbstractTrainer):
                 path.mkdir(parents=True)
                 (path / CONFIG).write_text(self.config.model_dump_json(indent=2))
             self._barrier()
+            self._check_shared_state()
             state = {"state": TrainingState(self)}
             if asynchronous:
                 future = _dcp().async_save(state, checkpoint_id=str(path),
@@ -204,6 +205,15 @@ class CheckpointMixin(AbstractTrainer):
             self._committed(info)
         self._last_saved_step = self.global_step
         return path
+
+    def _check_shared_state(self) -> None:
+        """``extra_state_dict()`` is saved once: it must be the same on every rank."""
+        if self.world.world_size == 1:
+            return
+        mine = {key: digest(value) for key, value in self.extra_state_dict().items()}
+        gathered: list[dict[str, str] | None] = [None] * self.world.world_size
+        dist.all_gather_object(gathered, mine, group=self._checkpoint_group)
+        check_shared([digests or {} for digests in gathered])
 
     def _refuse_non_finite(self) -> None:
         """A checkpoint of NaN/inf weights would poison every resume: refuse to write it."""
@@ -397,19 +407,28 @@ class CheckpointMixin(AbstractTrainer):
 
     def _load(self, path: Path, weights_only: bool) -> None:
         """Load a checkpoint already verified by ``_verify``."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
         reader = _dcp().FileSystemReader(str(path))
         metadata = reader.read_metadata()
-        with_rng = any(key.startswith(f"state.{rng_key(self.world.rank)}.")
-                       for key in metadata.state_dict_metadata)
-        state = TrainingState(self, weights_only=weights_only, with_rng=with_rng)
+        saved = metadata.state_dict_metadata
+        if not weights_only and f"state.{SHARED}" not in saved:
+            raise CheckpointError(
+                f"{path} was written by an older dream_trainer, which stored the loop's state "
+                "in another form: resume it with that version, or load only its weights "
+                "(checkpoint_parameters.load_weights_only=True)"
+            )
+        state = TrainingState(self, weights_only=weights_only, saved=saved)
         _check_shapes(path, state, metadata)
         try:
             _dcp().load({"state": state}, storage_reader=reader,
-                     process_group=self._checkpoint_group)
+                        process_group=self._checkpoint_group)
         except CheckpointError:
             raise
-        except Exception as exc:
-            raise CheckpointError(f"failed to load checkpoint {path}: {exc}") from exc
+        # DCP gathers every rank's failure into a CheckpointException, a BaseException.
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(f"failed to load checkpoint {path}: "
+                                  f"{_failures(exc)}") from exc
         if weights_only:
             logger.info("loaded model weights from %s", path)
             return
@@ -439,6 +458,15 @@ class CheckpointMixin(AbstractTrainer):
         if changes:
             logger.warning("the config differs from the checkpoint's:\n  %s",
                            "\n  ".join(changes))
+
+
+def _failures(exc: BaseException) -> str:
+    """Each failing rank's root cause (DCP's CheckpointException), or the error itself."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return f"{type(exc).__name__}: {exc}"
+    return "; ".join(f"rank {rank}: {_root_cause(error)}"
+                     for rank, error in sorted(failures.items()))
 
 
 def _root_cause(error: BaseException | tuple[BaseException, Any]) -> str:

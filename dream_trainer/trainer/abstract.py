@@ -134,11 +134,33 @@ class AbstractTrainer(TrainerHooks, ABC):
         """Restore what ``state_dict`` returned."""
 
     def extra_state_dict(self) -> dict[str, Any]:
-        """State of mixins that checkpoints must keep (a logger's run id, ...).
+        """State of the trainer or its mixins that checkpoints must keep (a logger's run id,
+        a counter), the same on every rank: saved once, restored to every rank.
 
-        A mixin that overrides this merges its entries into ``super().extra_state_dict()``.
+        Any picklable Python objects and tensors, in any structure; it comes back exactly as
+        saved. A mixin that overrides this merges its entries into
+        ``super().extra_state_dict()``.
         """
         return {}
 
     def load_extra_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what ``extra_state_dict`` returned; overrides call ``super()``."""
+        """Restore what ``extra_state_dict`` returned; overrides call ``super()``.
+
+        ``state_dict`` is exactly what was saved, whatever its shape: a key that the saved
+        run did not have is missing here, so read keys with a default.
+        """
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """State that differs between processes (an RNN's hidden state, a per-rank buffer):
+        saved for every process and restored to the same one.
+
+        ``extra_state_dict`` is saved once and must be equal on every rank (a save refuses
+        state that is not); this is its per-process counterpart. A resume with another
+        number of processes cannot give each one its own state back, and is refused when
+        there is any. Overrides merge into ``super().rank_state_dict()``.
+        """
+        return {}
+
+    def load_rank_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what ``rank_state_dict`` returned on this process; overrides call
+        ``super()``."""

@@ -107,7 +107,12 @@ def test_resharded_resume_reads_exactly_the_unseen_samples(
     first_log, second_log = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     common = [tmp_path / "run", tmp_path / "final.pt", "--markers", tmp_path / "markers"]
     assert run(first, *common, "--kill", kill, "--samples", first_log).returncode != 0
-    result = run(second, *common, "--samples", second_log)
+    # The trainer keeps per-rank state: it cannot be handed to another number of processes.
+    refused = run(second, *common)
+    assert refused.returncode != 0
+    assert (f"keeps per-rank state (rank_state_dict) for {first} processes, and this run has "
+            f"{second}") in refused.stderr
+    result = run(second, *common, "--samples", second_log, "--no-rank-state")
     assert result.returncode == 0, result.stderr[-3000:]
     seen_before = epoch_ids(first_log, epoch=1, before_batch=batches_before)
     seen_after = epoch_ids(second_log, epoch=1)

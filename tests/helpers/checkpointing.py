@@ -18,13 +18,55 @@ from tests.helpers.toy import ToyConfig, ToyTrainer, toy_dataset
 
 
 class CheckpointedConfig(ToyConfig, CheckpointConfigMixin):
-    pass
+    rank_state: bool = True
 
 
 class CheckpointedTrainer(ToyTrainer, CheckpointMixin):
-    """Toy regression with dropout, a cosine schedule and sample ids in every batch."""
+    """Toy regression with dropout, a cosine schedule and sample ids in every batch.
+
+    It also keeps state of its own that a resume must restore exactly: per rank, the ids of
+    every sample this rank trained on (a list that grows and differs between ranks), and,
+    shared, the steps at which validation ran (a list that grows).
+    """
 
     config: CheckpointedConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ids_seen: list[int] = []
+        self.validated_at: list[int] = []
+        self.all_ids_seen: list[list[int]] = []
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        mine = {"ids_seen": self.ids_seen} if self.config.rank_state else {}
+        return {**super().rank_state_dict(), **mine}
+
+    def load_rank_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_rank_state_dict(state_dict)
+        if self.config.rank_state:
+            self.ids_seen = list(state_dict["ids_seen"])
+
+    def extra_state_dict(self) -> dict[str, Any]:
+        return {**super().extra_state_dict(), "validated_at": self.validated_at}
+
+    def load_extra_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_extra_state_dict(state_dict)
+        self.validated_at = list(state_dict.get("validated_at", []))
+
+    def post_val_epoch(self, result: dict[str, Any]) -> None:
+        super().post_val_epoch(result)
+        if not (self.sanity_checking or self.evaluating):
+            self.validated_at.append(self.global_step)
+
+    def post_fit(self) -> None:
+        super().post_fit()
+        import torch.distributed as dist
+
+        gathered: list[Any] = [self.ids_seen]
+        if self.world.world_size > 1:
+            gathered = [None] * self.world.world_size
+            dist.all_gather_object(gathered, self.ids_seen)
+        self.all_ids_seen = gathered
 
     def configure_schedulers(self) -> None:
         self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=40)
@@ -42,6 +84,7 @@ class CheckpointedTrainer(ToyTrainer, CheckpointMixin):
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         x, y, ids = batch
         self.seen_ids = ids.tolist()
+        self.ids_seen.extend(self.seen_ids)
         return super().training_step((x, y), batch_idx)
 
 
@@ -117,12 +160,16 @@ def final_state(trainer: CheckpointedTrainer) -> dict[str, Any]:
         "lr": trainer.scheduler.get_last_lr(),
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
+        "ids_seen_by_rank": trainer.all_ids_seen,
+        "validated_at": trainer.validated_at,
     }
 
 
 def assert_same_state(actual: dict[str, Any], expected: dict[str, Any]) -> None:
     assert actual["global_step"] == expected["global_step"]
     assert actual["lr"] == expected["lr"]
+    assert actual["ids_seen_by_rank"] == expected["ids_seen_by_rank"]
+    assert actual["validated_at"] == expected["validated_at"]
     for name, tensor in expected["weights"].items():
         assert torch.equal(actual["weights"][name], tensor), name
     for index, state in expected["optimizer"].items():

@@ -1,7 +1,7 @@
 """Script: train the checkpointed toy (resume="latest"), optionally SIGKILLing itself.
 
 Usage: checkpoint_run.py ROOT OUT [--kill POINT ...] [--markers DIR] [--samples FILE]
-       [--parallel ddp|fsdp] [--kill-rank R] [--signal SIGKILL|SIGTERM]
+       [--parallel ddp|fsdp] [--kill-rank R] [--signal SIGKILL|SIGTERM] [--no-rank-state]
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ def main() -> None:
     parser.add_argument("--markers", type=Path)
     parser.add_argument("--samples", type=Path)
     parser.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp")
+    parser.add_argument("--no-rank-state", action="store_true")
     args = parser.parse_args()
     params = DeviceParameters.FSDP() if args.parallel == "fsdp" else DeviceParameters()
-    config = checkpointed_config(args.root, params)
+    config = checkpointed_config(args.root, params).model_copy(
+        update={"rank_state": not args.no_rank_state})
     trainer = CheckpointedTrainer(config)
     if args.kill:
         trainer.callbacks.append(Killer(args.kill, args.markers, args.kill_rank,
