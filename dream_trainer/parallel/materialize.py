@@ -13,6 +13,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dream_trainer.parallel.dtensor import is_dtensor, local_tensor
+from dream_trainer.parallel.hf_init import init_hf_models
 
 _RANDOM_FILLS = frozenset({"uniform_", "normal_", "bernoulli_", "random_", "exponential_",
                            "geometric_", "log_normal_", "cauchy_"})
@@ -63,9 +64,13 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     initializer touched is caught by ``find_uninitialized`` instead of training on garbage.
     Submodules are reset in ``modules()`` order, the order in which eager construction runs
     them, and under ``FullTensorInit``, so sharded and unsharded models get the same weights
-    from the same seed.
+    from the same seed. A Hugging Face ``PreTrainedModel`` then gets its library's own
+    initialization (see ``init_hf_models``), as its ``post_init`` does after construction.
+    Parameters shared by several modules (tied embeddings) stay shared.
     """
+    tied = _tied_parameters(module)
     module.to_empty(device=device)
+    _retie(tied)
     with torch.no_grad():
         for tensor in itertools.chain(module.parameters(), module.buffers()):
             if tensor.is_floating_point():
@@ -77,6 +82,26 @@ def materialize(module: nn.Module, device: torch.device) -> None:
                 or getattr(submodule, "_reset_parameters", None)
             if callable(reset):
                 reset()
+        init_hf_models(module)
+
+
+def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (owner, attribute) pairs of every parameter that more than one place holds."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for submodule in module.modules():
+        for name, param in submodule.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(param), []).append((submodule, name))
+    return [places for places in owners.values() if len(places) > 1]
+
+
+def _retie(tied: list[list[tuple[nn.Module, str]]]) -> None:
+    """Share each tied parameter again: ``to_empty`` from the meta device gives every
+    attribute a new ``Parameter`` (FSDP2's swap keeps them shared, plain modules do not)."""
+    for (first_owner, first_name), *others in tied:
+        shared = getattr(first_owner, first_name)
+        for owner, name in others:
+            if getattr(owner, name) is not shared:
+                setattr(owner, name, shared)
 
 
 def find_uninitialized(name: str, module: nn.Module) -> list[str]:
