@@ -217,6 +217,16 @@ def _publish(staging: Path, target: Path, count: int, model: nn.Module | None) -
     root = model.module if isinstance(model, DistributedDataParallel) else model
     if is_hf_model(root):
         root.config.to_json_file(str(staging / CONFIG))  # type: ignore[operator,union-attr]
+    replace_weights(staging, target)
+
+
+def replace_weights(staging: Path, target: Path) -> None:
+    """Move the files of ``staging`` into ``target`` and remove ``staging``.
+
+    The weights are written completely elsewhere first, so a failed export leaves the old
+    ones intact; the old weight files of ``target`` go only once the new ones exist, while
+    its other files (a tokenizer, a config) stay.
+    """
     target.mkdir(parents=True, exist_ok=True)
     for old in [*target.glob("*.safetensors"), target / INDEX]:
         old.unlink(missing_ok=True)
