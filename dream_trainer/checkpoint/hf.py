@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dream_trainer.checkpoint.layout import CheckpointError
 from dream_trainer.parallel.hf_init import is_hf_model
+from dream_trainer.parallel.materialize import state_dict_name
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +37,6 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 ExportFormat = Literal["hf", "safetensors"]
 KeyMap = Callable[[str, str], "str | None"]
 """``(model name, key) -> key``, or None to skip the key."""
-
-# Wrappers whose attribute shows in parameter names but not in get_model_state_dict's keys.
-_WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -104,11 +102,6 @@ def write_index(out: Path, shards: list[list[str]], sizes: Mapping[str, int]) ->
     index = {"metadata": {"total_size": sum(sizes.values())},
              "weight_map": {key: name for keys, name in zip(shards, names) for key in keys}}
     (out / INDEX).write_text(json.dumps(index, indent=2))
-
-
-def state_dict_name(name: str) -> str:
-    """A parameter's name as ``get_model_state_dict`` keys it (no wrapper attributes)."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
 
 
 def tied_groups(model: nn.Module) -> dict[str, int]:

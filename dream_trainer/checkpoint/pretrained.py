@@ -75,51 +75,88 @@ def resolve_sources(init_weights_from: Path | Mapping[str, Path],
     return {name: path for name in stateful}
 
 
-def load_pretrained(models: Mapping[str, nn.Module], sources: Mapping[str, Path],
-                    map_key: KeyMap, strict: bool) -> None:
-    """Load each model's pretrained weights in place (collective: every rank calls it).
+class PretrainedWeights:
+    """A load planned before the models are materialized and run after.
+
+    Opening the sources reads only their metadata, so the names of the parameters that the
+    files will set are known while the models are still on the meta device: materialization
+    skips initializing them (``names``), and ``load`` then fills them.
+
+    Args:
+        models: The trainer's models by name.
+        init_weights_from: One directory, or ``{model name: directory}``.
+        map_key: ``(model name, file key) -> model key``, or None to skip the key.
+        strict: Refuse missing and unexpected keys instead of warning about them.
 
     Raises:
-        CheckpointError: for a source that is neither layout, shapes that differ (always),
-            or, when ``strict``, keys missing on either side, all listed in one message.
+        CheckpointError: for a source that is neither layout.
+        ValueError: for a mapping naming an unknown model, or one Hugging Face directory
+            for several models.
     """
-    from torch.distributed.checkpoint import load
 
-    for name, path in sources.items():
-        model = models[name]
-        source = _open(path, name)
-        fit = _agree(_match(name, model, source, map_key))
-        if fit.mismatched:
-            raise CheckpointError(f"init_weights_from={str(path)!r} does not fit model "
-                                  f"{name!r}: shapes differ for {_listing(fit.mismatched)}")
-        if fit.missing or fit.unexpected:
-            report = _report(name, path, fit)
-            if strict:
-                raise CheckpointError(
-                    f"{report}. Rename keys in map_pretrained_key (return None to skip one), "
-                    "or set init_weights_strict=False to load the rest and keep "
-                    "init_weights() values for the missing keys")
-            if _is_rank_zero():
-                logger.warning("%s; init_weights_strict=False: the missing keys keep their "
-                               "init_weights() values", report)
-        try:
-            with warnings.catch_warnings():
-                # One process is a valid case here; DCP warns that it assumes so.
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                load(fit.targets, storage_reader=source.reader)
-        except Exception as exc:
-            raise CheckpointError(f"failed to load {path} into model {name!r}: {exc}") from exc
-        logger.info("loaded %d tensors of model %s from %s", len(fit.targets), name, path)
+    def __init__(self, models: Mapping[str, nn.Module],
+                 init_weights_from: Path | Mapping[str, Path], map_key: KeyMap,
+                 strict: bool) -> None:
+        self.models = models
+        self.map_key = map_key
+        self.strict = strict
+        self.sources = {name: _open(path, name)
+                        for name, path in resolve_sources(init_weights_from, models).items()}
+
+    def names(self, model_name: str) -> set[str]:
+        """The model keys that the files of ``model_name`` will set (if they fit)."""
+        source = self.sources.get(model_name)
+        if source is None:
+            return set()
+        return {key for file_key in source.tensors
+                if (key := self.map_key(model_name, file_key)) is not None}
+
+    def load(self) -> None:
+        """Read the weights into the materialized models (collective).
+
+        Raises:
+            CheckpointError: for shapes that differ (always) or, when strict, keys missing on
+                either side, all listed in one message.
+        """
+        from torch.distributed.checkpoint import load
+
+        for name, source in self.sources.items():
+            fit = _agree(_match(name, self.models[name], source, self.map_key))
+            path = source.path
+            if fit.mismatched:
+                raise CheckpointError(f"init_weights_from={str(path)!r} does not fit model "
+                                      f"{name!r}: shapes differ for {_listing(fit.mismatched)}")
+            if fit.missing or fit.unexpected:
+                report = _report(name, path, fit)
+                if self.strict:
+                    raise CheckpointError(
+                        f"{report}. Rename keys in map_pretrained_key (return None to skip "
+                        "one), or set init_weights_strict=False to load the rest and keep "
+                        "init_weights() values for the missing keys")
+                if _is_rank_zero():
+                    logger.warning("%s; init_weights_strict=False: the missing keys keep "
+                                   "their init_weights() values", report)
+            try:
+                with warnings.catch_warnings():
+                    # One process is a valid case here; DCP warns that it assumes so.
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    load(fit.targets, storage_reader=source.reader)
+            except Exception as exc:
+                raise CheckpointError(f"failed to load {path} into model {name!r}: "
+                                      f"{exc}") from exc
+            logger.info("loaded %d tensors of model %s from %s", len(fit.targets), name, path)
 
 
 def _open(path: Path, model_name: str) -> _Source:
     """Read the metadata (headers only) of the weights for ``model_name`` under ``path``."""
-    from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from dream_trainer.checkpoint.hf_reader import SliceReader
 
     if is_hf_dir(path):
         check_hf_dir(path)
-        reader = HuggingFaceStorageReader(str(path))
+        reader = SliceReader(str(path))
         metadata = reader.read_metadata()
         tensors = {key: (key, tuple(entry.size))
                    for key, entry in metadata.state_dict_metadata.items()}

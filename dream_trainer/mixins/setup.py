@@ -7,7 +7,7 @@ import logging
 from abc import abstractmethod
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -21,10 +21,13 @@ from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.data_parallel import DDPBackend
 from dream_trainer.parallel.materialize import (FullTensorInit, any_rank_failed,
                                                 find_uninitialized, has_meta_tensors,
-                                                materialize)
+                                                materialize, parameters_named)
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.utils.dataloader import prepare_loader
 from dream_trainer.world.dims import MeshAxis
+
+if TYPE_CHECKING:
+    from dream_trainer.checkpoint.pretrained import PretrainedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +256,6 @@ class SetupMixin(AbstractTrainer):
         """Parallelize, materialize and wrap the models; then optimizers, schedulers, data."""
         self._apply_parallelism()
         self._materialize_models()
-        self._load_pretrained_weights()
         dims = self.world.dims
         if dims.dp_replicate > 1 and dims.dp_shard == 1:
             mesh = self.world.get_mesh(MeshAxis.DP_REPLICATE)
@@ -292,15 +294,21 @@ class SetupMixin(AbstractTrainer):
 
     def _materialize_models(self) -> None:
         device = self.world.device
+        pretrained = self._pretrained_weights()
         # Re-seed so the weights depend only on the seed, whatever configure_models drew.
         self.world.seed(self.config.seed)
-        for model in self.named_models().values():
+        loaded: list[torch.Tensor] = []
+        for name, model in self.named_models().items():
+            names = pretrained.names(name) if pretrained is not None else set()
             if has_meta_tensors(model):
-                materialize(model, device)
+                materialize(model, device, skip=names)
             else:
                 model.to(device)
-        with FullTensorInit():
+            loaded += parameters_named(model, names)
+        with FullTensorInit(skip=loaded):
             self.init_weights()
+        if pretrained is not None:
+            pretrained.load()
         bad = [entry for name, model in self.named_models().items()
                for entry in find_uninitialized(name, model)]
         if any_rank_failed(bool(bad), device):
@@ -312,15 +320,15 @@ class SetupMixin(AbstractTrainer):
                 "init_weights() (buffers computed in __init__ are lost on the meta device)"
             )
 
-    def _load_pretrained_weights(self) -> None:
+    def _pretrained_weights(self) -> PretrainedWeights | None:
+        """The planned ``init_weights_from`` load (sources opened, metadata only), if any."""
         source = getattr(self.config, "init_weights_from", None)
         if source is None:
-            return
-        from dream_trainer.checkpoint.pretrained import load_pretrained, resolve_sources
+            return None
+        from dream_trainer.checkpoint.pretrained import PretrainedWeights
 
-        models = self.named_models()
-        load_pretrained(models, resolve_sources(source, models), self.map_pretrained_key,
-                        strict=getattr(self.config, "init_weights_strict", True))
+        return PretrainedWeights(self.named_models(), source, self.map_pretrained_key,
+                                 strict=getattr(self.config, "init_weights_strict", True))
 
     def _setup_optimizers(self) -> None:
         before = dict(vars(self))

@@ -303,3 +303,44 @@ def test_a_dream_trainer_checkpoint_is_a_source_too(tmp_path: Path) -> None:
     for layer, name in (("0", "inp"), ("2", "out")):
         for part in ("weight", "bias"):
             assert torch.equal(renaming.loaded[f"{name}.{part}"], final[f"{layer}.{part}"])
+
+
+class _Planner:
+    """The two LoadPlanner calls SliceReader makes: where a box goes, and that it arrived."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        self.target = target
+
+    def resolve_tensor(self, item: Any) -> torch.Tensor:
+        return self.target
+
+    def commit_tensor(self, item: Any, tensor: torch.Tensor) -> None:
+        assert tensor.data_ptr() == self.target.data_ptr()
+
+
+@pytest.mark.parametrize("offsets,lengths", [
+    ((0, 0, 0), (6, 5, 4)),  # the whole tensor: one read
+    ((2, 0, 0), (3, 5, 4)),  # rows (FSDP2's Shard(0)): one run
+    ((1, 2, 0), (4, 2, 4)),  # a middle range: one run per index of the first dimension
+    ((0, 1, 1), (6, 3, 2)),  # a column block (a row-parallel weight): one run per row
+])
+def test_slice_reader_reads_exactly_the_requested_box(
+        offsets: tuple[int, ...], lengths: tuple[int, ...], tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    from dream_trainer.checkpoint.hf_reader import _header, _read_box
+
+    full = torch.arange(120, dtype=torch.bfloat16).reshape(6, 5, 4)
+    save_file({"other": torch.ones(3), "w": full}, str(tmp_path / "model.safetensors"))
+    box = full[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+    item = ReadItem(type=None, dest_index=None, dest_offsets=torch.Size([0, 0, 0]),
+                    storage_index=None, storage_offsets=torch.Size(offsets),
+                    lengths=torch.Size(lengths))
+    # A float32 destination (the dtype converts) that is not contiguous, and one that is.
+    for target in (torch.zeros(lengths[::-1]).permute(2, 1, 0), torch.zeros(lengths)):
+        with open(tmp_path / "model.safetensors", "rb") as file:
+            header, start = _header(file)
+            # A 64-byte buffer splits the runs into several reads.
+            _read_box(file, header["w"], start, item, _Planner(target), bytearray(64))
+        assert torch.equal(target, box.float())
