@@ -5,8 +5,8 @@ shard by shard, then each rank reads only its slices of the safetensors file) wi
 usual way: ``AutoModelForCausalLM.from_pretrained`` on every rank, then ``fully_shard``.
 Both run through the same trainer and are measured at the same points: memory is the
 per-rank peak RSS during configure and setup above the RSS before them (torch, FSDP2,
-DTensor, DCP and transformers already imported), as a fraction of the fp32 model size; time
-is configure plus setup. The checkpoint is a Llama with random weights written as one
+DTensor, DCP and transformers' Llama code already imported), as a fraction of the fp32
+model size; time is configure plus setup. The checkpoint is a Llama with random weights written as one
 ``model.safetensors``, as ``save_pretrained`` writes a model of this size.
 
     python -m benchmarks.hf_load_memory             # a model of about 1.1 GiB
@@ -118,7 +118,10 @@ class LoadTrainer(BaseTrainer, SetupMixin):
 
 def rank_main(variant: str, pretrained: str, out: str) -> None:
     """Run on each rank under torchrun: load the model and record this rank's figures."""
-    import transformers  # noqa: F401  (part of the baseline for both variants)
+    # Part of the baseline for both variants: transformers imports its model code lazily,
+    # which would add seconds and tens of MiB to whichever variant builds a model first.
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
 
     config = LoadConfig(
         project="bench", group="hf_load", experiment=variant, variant=variant,

@@ -3,15 +3,15 @@
 The source is a directory in the Hugging Face layout (see ``hf.py``) or a complete
 dream_trainer checkpoint. Every model's state dict comes from ``get_model_state_dict``, so
 its tensors are the live parameters, sharded as the model is (FSDP2, TP, both); torch DCP
-then reads into them only the slices each rank owns, converting the dtype as it copies. No
-rank ever holds a full copy of the model.
+then reads into them only the slices each rank owns (``SliceReader`` for safetensors),
+converting the dtype as it copies. No rank ever holds a full copy of the model.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,12 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dream_trainer.checkpoint.hf import check_hf_dir, is_hf_dir, tied_groups
+from dream_trainer.checkpoint.hf import KeyMap, check_hf_dir, is_hf_dir, tied_groups
 from dream_trainer.checkpoint.layout import CheckpointError, is_complete, verify_files
+from dream_trainer.parallel.dtensor import local_tensor
+from dream_trainer.parallel.materialize import any_rank_failed
 
 logger = logging.getLogger(__name__)
 
-KeyMap = Callable[[str, str], "str | None"]
 _SHOWN = 20  # keys listed per kind in an error; the rest are counted
 
 
@@ -111,15 +112,23 @@ class PretrainedWeights:
         return {key for file_key in source.tensors
                 if (key := self.map_key(model_name, file_key)) is not None}
 
-    def load(self) -> None:
+    def load(self, expected: Iterable[torch.Tensor] = (),
+             device: torch.device = torch.device("cpu")) -> None:
         """Read the weights into the materialized models (collective).
+
+        Args:
+            expected: Parameters left uninitialized for this load (found by ``names``); each
+                must be among the tensors it sets.
+            device: The ranks' device, for their agreement on the outcome.
 
         Raises:
             CheckpointError: for shapes that differ (always) or, when strict, keys missing on
-                either side, all listed in one message.
+                either side, all listed in one message; or if an expected parameter was not
+                set (it would train on NaN).
         """
         from torch.distributed.checkpoint import load
 
+        filled: set[int] = set()
         for name, source in self.sources.items():
             fit = _agree(_match(name, self.models[name], source, self.map_key))
             path = source.path
@@ -145,6 +154,14 @@ class PretrainedWeights:
                 raise CheckpointError(f"failed to load {path} into model {name!r}: "
                                       f"{exc}") from exc
             logger.info("loaded %d tensors of model %s from %s", len(fit.targets), name, path)
+            filled |= {local_tensor(tensor).data_ptr() for tensor in fit.targets.values()}
+        unfilled = [tuple(tensor.shape) for tensor in map(local_tensor, expected)
+                    if tensor.numel() and tensor.data_ptr() not in filled]
+        if any_rank_failed(bool(unfilled), device):
+            raise CheckpointError(
+                "init_weights_from did not set parameters that were left for it (shapes "
+                f"{unfilled[:5] or 'on another rank'}): their state-dict names differ from "
+                "their parameter names; set init_weights_strict=True to see the keys")
 
 
 def _open(path: Path, model_name: str) -> _Source:

@@ -63,7 +63,8 @@ class SetupMixin(AbstractTrainer):
        Random initializers of sharded (DTensor) parameters draw the full tensor and keep
        the local shard, so a sharded model starts from exactly the single-process weights.
        A ``transformers`` model gets its library's own initialization before
-       ``init_weights()``, so it needs none of the user's;
+       ``init_weights()``, so it needs none of the user's. Parameters that
+       ``init_weights_from`` will set are neither initialized nor checked;
     6. ``init_weights_from``: pretrained weights read into each rank's shards (keys through
        ``map_pretrained_key``; missing ones keep their values when not strict);
     7. ``apply_replicate(dp_mesh)`` when only ``dp_replicate > 1`` (DDP needs real tensors,
@@ -307,10 +308,10 @@ class SetupMixin(AbstractTrainer):
             loaded += parameters_named(model, names)
         with FullTensorInit(skip=loaded):
             self.init_weights()
-        if pretrained is not None:
-            pretrained.load()
+        # The parameters left for the pretrained weights still hold NaN; the load sets every
+        # one of them or raises.
         bad = [entry for name, model in self.named_models().items()
-               for entry in find_uninitialized(name, model)]
+               for entry in find_uninitialized(name, model, skip=loaded)]
         if any_rank_failed(bool(bad), device):
             raise RuntimeError(
                 "some model tensors were never initialized: "
@@ -319,6 +320,8 @@ class SetupMixin(AbstractTrainer):
                 + ". Give their module a reset_parameters() method or set them in "
                 "init_weights() (buffers computed in __init__ are lost on the meta device)"
             )
+        if pretrained is not None:
+            pretrained.load(expected=loaded, device=device)
 
     def _pretrained_weights(self) -> PretrainedWeights | None:
         """The planned ``init_weights_from`` load (sources opened, metadata only), if any."""

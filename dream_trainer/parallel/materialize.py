@@ -32,8 +32,9 @@ class FullTensorInit(TorchFunctionMode):
     rank then keeps its slice. Peak extra memory is one tensor's full size.
 
     Args:
-        skip: Tensors whose initializers are not run at all (sharded or not): ones that are
+        skip: Tensors whose random initializers are not run at all (sharded or not): ones
             about to be overwritten, such as parameters loaded from pretrained weights.
+            Constant fills (``nn.init.ones_`` calls ``fill_`` directly) still run.
     """
 
     def __init__(self, skip: Iterable[torch.Tensor] = ()) -> None:
@@ -136,14 +137,19 @@ def _retie(tied: list[list[tuple[nn.Module, str]]]) -> None:
                 setattr(owner, name, shared)
 
 
-def find_uninitialized(name: str, module: nn.Module) -> list[str]:
+def find_uninitialized(name: str, module: nn.Module,
+                       skip: Iterable[torch.Tensor] = ()) -> list[str]:
     """Names of parameters/buffers of ``module`` still on meta or holding non-finite values.
 
-    Only this rank's shards are inspected; combine ranks with ``any_rank_failed``.
+    Only this rank's shards are inspected; combine ranks with ``any_rank_failed``. Tensors in
+    ``skip`` (left for pretrained weights to fill) are not inspected.
     """
     bad = []
+    skipped = {id(tensor) for tensor in skip}
     named = itertools.chain(module.named_parameters(), module.named_buffers())
     for tensor_name, tensor in named:
+        if id(tensor) in skipped:
+            continue
         local = local_tensor(tensor)
         if local.is_meta:
             bad.append(f"{name}.{tensor_name} (still on the meta device)")

@@ -344,3 +344,78 @@ def test_slice_reader_reads_exactly_the_requested_box(
             # A 64-byte buffer splits the runs into several reads.
             _read_box(file, header["w"], start, item, _Planner(target), bytearray(64))
         assert torch.equal(target, box.float())
+
+
+FACTORY = '''
+from tests.checkpoint.test_pretrained import MLPTrainer, PlainConfig
+from dream_trainer.configs import TrainingParameters
+
+
+class Exporting(MLPTrainer):
+    def map_exported_key(self, model_name, key):
+        return None if key.startswith("2.") else f"encoder.{key}"
+
+
+def make_trainer():
+    return Exporting(PlainConfig(project="p", group="g", experiment="x",
+                                 training_parameters=TrainingParameters(n_epochs=1,
+                                                                        train_batch_size=4)))
+'''
+
+
+def test_export_command_renames_keys_with_a_trainers_map_exported_key(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import load_file
+
+    from dream_trainer.cli import main as cli
+
+    pretraining = Pretraining(PlainConfig(
+        project="p", group="g", experiment="pre",
+        training_parameters=TrainingParameters(n_epochs=1, train_batch_size=4),
+        checkpoint_parameters=CheckpointParameters(root_dir=tmp_path)))
+    pretraining.fit()
+    step = str(pretraining.checkpoint_dir / f"step_{pretraining.global_step}")
+    (tmp_path / "factory.py").write_text(FACTORY)
+    assert cli(["export", step, str(tmp_path / "out"), "--format", "hf",
+                "--trainer", f"{tmp_path / 'factory.py'}:make_trainer"]) == 0
+    assert capsys.readouterr().out == f"model: {tmp_path / 'out'}\n"
+    exported = load_file(tmp_path / "out/model.safetensors")
+    assert sorted(exported) == ["encoder.0.bias", "encoder.0.weight"]  # 2.* left out
+    assert torch.equal(exported["encoder.0.weight"], pretraining.model[0].weight)
+
+    # Options of the Hugging Face layout make no sense for one file per model.
+    assert cli(["export", step, str(tmp_path / "plain"), "--max-shard-size", "1GB"]) == 1
+    assert "--max-shard-size only apply to --format hf" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli(["export", step, str(tmp_path / "plain"), "--format", "hf",
+             "--max-shard-size", "lots"])
+    assert "expected a positive size like 5GB" in capsys.readouterr().err
+
+
+def test_a_parameter_left_for_the_files_but_not_set_by_them_is_an_error(
+        tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    class HookRenamed(nn.Module):
+        """Its state dict names the parameter ``w`` as ``renamed``: a load by parameter
+        name (``w``) finds no such state-dict key."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2))
+            self._register_state_dict_hook(
+                lambda module, state, prefix, local: {k.replace("w", "renamed"): v
+                                                      for k, v in state.items()})
+
+    class Trainer(MLPTrainer):
+        def configure_models(self) -> None:
+            self.model = HookRenamed()
+
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    config = PlainConfig(project="p", group="g", experiment="hook",
+                         training_parameters=TrainingParameters(n_epochs=1, train_batch_size=4),
+                         init_weights_from=tmp_path, init_weights_strict=False,
+                         checkpoint_parameters=CheckpointParameters(root_dir=tmp_path))
+    with pytest.raises(CheckpointError, match=r"did not set parameters that were left for it "
+                                              r"\(shapes \[\(2,\)\]\)"):
+        Trainer(config).fit()
