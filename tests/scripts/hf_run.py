@@ -1,8 +1,9 @@
-"""Script: load a tiny Llama saved by ``save_pretrained`` into FSDP2 (or FSDP2 x TP), record
+"""Script: for each layout in turn, load a tiny Llama saved by ``save_pretrained``, record
 its logits, fine-tune a few steps, record them again, and export the weights from inside
-the run (``export_weights``); the final checkpoint is left for ``dream-trainer export``.
+the run (``export_weights`` to ROOT_DIR/live_<layout>); the final checkpoint is left for
+``dream-trainer export``.
 
-    torchrun --nproc_per_node=N hf_run.py OUT PRETRAINED_DIR ROOT_DIR {fsdp,fsdp_tp}
+    torchrun --nproc_per_node=N hf_run.py OUT PRETRAINED_DIR ROOT_DIR LAYOUT [LAYOUT ...]
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ from dream_trainer.parallel.dtensor import local_tensor
 from tests.helpers.hf import HFConfig, HFTrainer, fixed_batch, hf_config, logits
 from tests.helpers.launch import save_on_rank_zero
 
-LAYOUTS = {"fsdp": DeviceParameters.FSDP(),
-           "fsdp_tp": DeviceParameters(dp_shard=2, tensor_parallel=2)}
+LAYOUTS = {"fsdp": DeviceParameters.FSDP(), "ddp": DeviceParameters.DDP(),
+           "fsdp_tp": DeviceParameters(dp_shard=2, tensor_parallel=2),
+           "hsdp": DeviceParameters.HSDP(dp_shard=2)}
+# Per-rank batches: 4 data-parallel ranks (HSDP) read 2 each, so 32 sequences still make
+# more than the 3 steps every layout takes.
+BATCH = {"hsdp": 2}
 
 
 class RunConfig(HFConfig, CheckpointConfigMixin):
@@ -49,18 +54,23 @@ class Run(HFTrainer, CheckpointMixin):
         self.exported = self.export_weights(self.export_dir)
 
 
-def main(out: str, pretrained: str, root: str, layout: str) -> None:
-    base = hf_config(device_parameters=LAYOUTS[layout], init_weights_from=Path(pretrained))
-    config = RunConfig(**dict(base), checkpoint_parameters=CheckpointParameters(root_dir=root))
+def run(pretrained: str, root: str, layout: str) -> dict[str, Any]:
+    base = hf_config(device_parameters=LAYOUTS[layout], batch=BATCH.get(layout, 4),
+                     init_weights_from=Path(pretrained))
+    config = RunConfig(**{**dict(base), "experiment": layout},
+                       checkpoint_parameters=CheckpointParameters(root_dir=root))
     trainer = Run(config)
-    trainer.export_dir = Path(root) / "live"
+    trainer.export_dir = Path(root) / f"live_{layout}"
     trainer.fit()
-    result: dict[str, Any] = {
-        "initial": trainer.initial, "final": trainer.final, "placements": trainer.placements,
-        "local_numel": trainer.local_numel, "global_step": trainer.global_step,
-        "exported": trainer.exported,
-        "checkpoint": trainer.checkpoint_dir / f"step_{trainer.global_step}"}
-    save_on_rank_zero(result, out, "hf_run")
+    return {"initial": trainer.initial, "final": trainer.final,
+            "placements": trainer.placements, "local_numel": trainer.local_numel,
+            "global_step": trainer.global_step, "exported": trainer.exported,
+            "checkpoint": trainer.checkpoint_dir / f"step_{trainer.global_step}"}
+
+
+def main(out: str, pretrained: str, root: str, *layouts: str) -> None:
+    results = {layout: run(pretrained, root, layout) for layout in layouts}
+    save_on_rank_zero(results, out, "hf_run")
 
 
 if __name__ == "__main__":
