@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, LlamaModel
 
 from dream_trainer import BaseTrainer, BaseTrainerConfig
 from dream_trainer.checkpoint import CheckpointError
-from dream_trainer.configs import CheckpointParameters, TrainingParameters, apply_cli_overrides
+from dream_trainer.configs import (CheckpointParameters, DeviceParameters, TrainingParameters,
+                                   apply_cli_overrides)
 from dream_trainer.mixins import (CheckpointConfigMixin, CheckpointMixin, SetupConfigMixin,
                                   SetupMixin)
 from tests.helpers.hf import (HFTrainer, fixed_batch, hf_config, llama_config, logits,
@@ -62,6 +63,18 @@ def test_llama_built_on_meta_loads_exactly_in_one_process(
     assert all(torch.equal(loaded[key], value) for key, value in reference.state_dict().items())
     # Not in the file: the rotary buffers were recomputed from the config.
     assert torch.equal(trainer.model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+
+
+def test_wrapped_blocks_load_under_their_plain_names(llama: tuple[Path, nn.Module]) -> None:
+    path, reference = llama
+    # Activation checkpointing wraps each block: its parameters' names gain
+    # _checkpoint_wrapped_module, which the files' keys do not have.
+    trainer = Recording(hf_config(init_weights_from=path, lr=0.0, device_parameters=(
+        DeviceParameters(checkpoint_activations=True))))
+    trainer.fit()
+    assert type(trainer.model.model.layers[0]).__name__ == "CheckpointWrapper"
+    torch.testing.assert_close(trainer.initial_logits, logits(reference, fixed_batch()),
+                               atol=ATOL, rtol=0)
 
 
 def test_hf_models_need_no_init_weights() -> None:
