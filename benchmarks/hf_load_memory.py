@@ -6,10 +6,10 @@ usual way: ``AutoModelForCausalLM.from_pretrained`` on every rank, then ``fully_
 Both run through the same trainer and are measured at the same points: memory is the
 per-rank peak RSS during configure and setup above the RSS before them (torch, FSDP2,
 DTensor, DCP and transformers' Llama code already imported), as a fraction of the fp32
-model size; time is configure plus setup. The checkpoint is a Llama with random weights written as one
-``model.safetensors``, as ``save_pretrained`` writes a model of this size.
+model size; time is configure plus setup. The checkpoint is a Llama with random weights
+written as one ``model.safetensors``, as ``save_pretrained`` writes a model of this size.
 
-    python -m benchmarks.hf_load_memory             # a model of about 1.1 GiB
+    python -m benchmarks.hf_load_memory             # a model of 1.16 GiB
     python -m benchmarks.hf_load_memory --size-mb 256
 """
 
