@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import (checkpoint_speed, meta_init_memory, startup, step_overhead,
-                        training_memory)
+from benchmarks import (checkpoint_speed, hf_load_memory, meta_init_memory, startup,
+                        step_overhead, training_memory)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -44,6 +44,7 @@ def sections(quick: bool, lightning_python: str | None) -> dict[str, Callable[[]
         "training_memory": lambda: (training_memory.measure(8, 2, 1) if quick
                                     else training_memory.measure()),
         "meta_init_memory": lambda: meta_init_memory.measure(32 if quick else 1024),
+        "hf_load_memory": lambda: hf_load_memory.measure(16 if quick else 1100),
         "checkpoint_speed": lambda: checkpoint_speed.measure(8 if quick else 256,
                                                              1 if quick else 5),
         "gpu_throughput": lambda: gpu_result(quick),
@@ -74,7 +75,7 @@ def markdown(results: dict[str, Any]) -> str:
         else:
             module = {"step_overhead": step_overhead, "startup": startup,
                       "training_memory": training_memory, "meta_init_memory": meta_init_memory,
-                      "checkpoint_speed": checkpoint_speed}[kind]
+                      "hf_load_memory": hf_load_memory, "checkpoint_speed": checkpoint_speed}[kind]
             lines += module.markdown(result)
     return "\n".join(lines) + "\n"
 

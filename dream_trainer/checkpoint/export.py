@@ -1,60 +1,143 @@
-"""Turning a (sharded) checkpoint into one safetensors file of weights per model."""
+"""Turning a (sharded) checkpoint into safetensors weights: one file per model, or the
+Hugging Face layout."""
 
 from __future__ import annotations
 
+import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from dream_trainer.checkpoint.hf import (DEFAULT_MAX_SHARD_BYTES, ExportFormat, plan_shards,
+                                         replace_weights, shard_file_names, write_index)
 from dream_trainer.checkpoint.layout import CheckpointError, is_complete, verify_files
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``<out_dir>/<model>.safetensors`` for every model in ``checkpoint``.
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
+                      format: ExportFormat = "safetensors", dtype: torch.dtype | None = None,
+                      map_key: Callable[[str, str], str | None] | None = None,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict[str, Path]:
+    """Write the weights of every model in ``checkpoint`` as safetensors.
 
-    Runs in one process, without a process group, whatever number of ranks wrote the
-    checkpoint; only the model weights are read (peak memory: the largest model). The files
-    load into a plain ``nn.Module`` with ``safetensors.torch.load_file`` and
-    ``load_state_dict``.
+    ``"safetensors"`` writes ``<out_dir>/<model>.safetensors`` with the model's own keys.
+    ``"hf"`` writes the Hugging Face layout: ``model.safetensors``, or shards of at most
+    ``max_shard_bytes`` with ``model.safetensors.index.json``, keyed by ``map_key``; in
+    ``out_dir`` itself for a checkpoint of one model, else in ``<out_dir>/<model>/``. Runs in
+    one process, without a process group, whatever number of ranks wrote the checkpoint; only
+    model weights are read, one output file at a time (peak memory: the largest file).
+
+    Args:
+        checkpoint: A complete ``step_<N>`` checkpoint directory.
+        out_dir: Where to write; created when missing. Old weight files there are replaced
+            once the new ones are written.
+        format: ``"safetensors"`` or ``"hf"``.
+        dtype: Cast floating tensors to it (``torch.bfloat16``); None keeps the saved dtype.
+        map_key: ``(model name, key) -> exported key`` (None leaves the key out); ``"hf"``
+            only. ``trainer.map_exported_key`` is the usual one.
+        max_shard_bytes: Largest shard of an ``"hf"`` export.
 
     Returns:
-        The written file of each model, by model name.
+        The written file (``"safetensors"``) or directory (``"hf"``) of each model.
 
     Raises:
-        CheckpointError: if the checkpoint is incomplete or damaged.
+        CheckpointError: if the checkpoint is incomplete or damaged, or holds no weights.
+        ValueError: for an unknown format, or two keys mapped to the same name.
     """
     # Imported here: torch.distributed.checkpoint takes about a second to import.
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    if format not in ("hf", "safetensors"):
+        raise ValueError(f"format={format!r}: expected 'safetensors' (one file per model) or "
+                         "'hf' (the Hugging Face layout)")
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if not is_complete(checkpoint):
         raise CheckpointError(f"{checkpoint} is not a complete dream_trainer checkpoint")
     reader = dcp.FileSystemReader(str(checkpoint))
     metadata = reader.read_metadata()
     verify_files(checkpoint, metadata)
-    models: dict[str, dict[str, torch.Tensor]] = {}
-    for key, entry in metadata.state_dict_metadata.items():
-        parts = key.split(".", 2)
-        if parts[0] == "state" and len(parts) == 3 and parts[1] == "models" \
-                and isinstance(entry, TensorStorageMetadata):
-            model, _, name = parts[2].partition(".")
-            models.setdefault(model, {})[name] = torch.empty(entry.size,
-                                                             dtype=entry.properties.dtype)
+    models = _model_tensors(metadata)
     if not models:
         raise CheckpointError(f"{checkpoint} holds no model weights")
-    flat = {f"state.models.{model}.{name}": tensor
-            for model, tensors in models.items() for name, tensor in tensors.items()}
+    written = {}
+    for model, tensors in models.items():
+        if format == "safetensors":
+            target = out_dir / f"{model}.safetensors"
+            partial = out_dir / f".{target.name}.partial"
+            _write_file(reader, model, {name: name for name in tensors}, tensors, dtype,
+                        partial)
+            partial.replace(target)  # a failed write leaves the old file whole
+        else:
+            target = out_dir if len(models) == 1 else out_dir / model
+            _write_hf(reader, model, tensors, dtype, map_key, max_shard_bytes, target)
+        written[model] = target
+    return written
+
+
+def _model_tensors(metadata: Any) -> dict[str, dict[str, Any]]:
+    """Model name -> {key: tensor metadata} for every model tensor of the checkpoint."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    models: dict[str, dict[str, Any]] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        parts = key.split(".", 3)
+        if len(parts) == 4 and parts[:2] == ["state", "models"] \
+                and isinstance(entry, TensorStorageMetadata):
+            models.setdefault(parts[2], {})[parts[3]] = entry
+    return models
+
+
+def _write_hf(reader: Any, model: str, tensors: dict[str, Any], dtype: torch.dtype | None,
+              map_key: Callable[[str, str], str | None] | None, max_shard_bytes: int,
+              target: Path) -> None:
+    renamed: dict[str, str] = {}  # exported key -> checkpoint key
+    for name in tensors:
+        key = map_key(model, name) if map_key is not None else name
+        if key is None:
+            continue
+        if key in renamed:
+            raise ValueError(f"map_exported_key({model!r}, ...) maps both {renamed[key]!r} "
+                             f"and {name!r} to {key!r}: each exported key must be unique")
+        renamed[key] = name
+    sizes = {key: _exported_bytes(tensors[name], dtype) for key, name in renamed.items()}
+    shards = plan_shards(sizes, max_shard_bytes)
+    staging = target.parent / f".{target.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for keys, file_name in zip(shards, shard_file_names(len(shards))):
+        _write_file(reader, model, {key: renamed[key] for key in keys}, tensors, dtype,
+                    staging / file_name)
+    if len(shards) > 1:
+        write_index(staging, shards, sizes)
+    replace_weights(staging, target)
+
+
+def _write_file(reader: Any, model: str, keys: dict[str, str], tensors: dict[str, Any],
+                dtype: torch.dtype | None, path: Path) -> None:
+    """Read the tensors ``keys`` names (exported key -> checkpoint key) and save them."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    loaded = {name: torch.empty(tensors[name].size, dtype=tensors[name].properties.dtype)
+              for name in keys.values()}
     with warnings.catch_warnings():
         # Loading in one process is the point here; DCP warns that it assumes so.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(flat, storage_reader=reader, no_dist=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = {}
-    for model, tensors in models.items():
-        path = out_dir / f"{model}.safetensors"
-        save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(path))
-        written[model] = path
-    return written
+        dcp.load({f"state.models.{model}.{name}": tensor for name, tensor in loaded.items()},
+                 storage_reader=reader, no_dist=True)
+    out = {key: _cast(loaded[name], dtype).contiguous() for key, name in keys.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # transformers checks the "format" entry of the header to know the framework.
+    save_file(out, str(path), metadata={"format": "pt"})
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def _exported_bytes(entry: Any, dtype: torch.dtype | None) -> int:
+    stored = entry.properties.dtype
+    element = (dtype if dtype is not None and stored.is_floating_point else stored).itemsize
+    return element * int(torch.Size(entry.size).numel())

@@ -1,33 +1,104 @@
-"""``dream-trainer export``: one safetensors file of weights per model from a checkpoint."""
+"""``dream-trainer export``: a checkpoint's weights as safetensors, per model or in the
+Hugging Face layout."""
 
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_SIZE = re.compile(r"^(\d+)\s*([KMGT]i?B)?$", re.IGNORECASE)
+_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+# Files of a pretrained directory that are weights, not configuration or tokenizer.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
     parser = commands.add_parser(
         "export", allow_abbrev=False,
-        help="write one safetensors file of weights per model from a checkpoint",
-        description="Consolidate a (sharded) checkpoint into <out_dir>/<model>.safetensors, "
-                    "loadable into a plain nn.Module. Runs in one process.")
+        help="write a checkpoint's weights as safetensors (per model, or Hugging Face layout)",
+        description="Consolidate a (sharded) checkpoint into safetensors, in one process. "
+                    "--format safetensors: <out_dir>/<model>.safetensors with the trainer's "
+                    "keys, for a plain nn.Module. --format hf: the Hugging Face layout "
+                    "(model.safetensors, or shards and model.safetensors.index.json) in "
+                    "out_dir, or in out_dir/<model>/ for a checkpoint of several models.")
     parser.add_argument("checkpoint", type=Path, help="a step_<N> checkpoint directory")
-    parser.add_argument("out_dir", type=Path, help="where to write the .safetensors files")
+    parser.add_argument("out_dir", type=Path, help="where to write the weights")
+    parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                        help="one file per model (default) or the Hugging Face layout")
+    parser.add_argument("--dtype", choices=tuple(DTYPES),
+                        help="cast floating tensors (default: as saved)")
+    parser.add_argument("--max-shard-size", type=byte_size, default=None, metavar="SIZE",
+                        help="largest shard of --format hf, e.g. 5GB, 500MiB or a number of "
+                             "bytes (default 5GiB)")
+    parser.add_argument("--trainer", metavar="TARGET",
+                        help="path/to/script.py:NAME or package.module:NAME: with --format hf, "
+                             "keys are renamed by that trainer's map_exported_key")
+    parser.add_argument("--config-from", type=Path, metavar="DIR",
+                        help="with --format hf, copy the files of DIR that are not weights "
+                             "(config.json, tokenizer files) next to the exported weights, "
+                             "e.g. the pretrained directory the run started from")
     parser.set_defaults(run=run, takes_overrides=False)
     return parser
 
 
-def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from dream_trainer.checkpoint import CheckpointError, export_checkpoint
+def byte_size(text: str) -> int:
+    """An argparse type: ``5GB``, ``500MiB`` or a number of bytes."""
+    match = _SIZE.match(text.strip())
+    if match is None or int(match.group(1)) == 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size like 5GB, 500MiB or "
+                                         f"1000000 (bytes), got {text!r}")
+    return int(match.group(1)) * _UNITS[(match.group(2) or "").upper()]
 
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    import torch
+
+    from dream_trainer.checkpoint import CheckpointError, export_checkpoint
+    from dream_trainer.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
+
+    hf_only = [flag for flag, value in (("--max-shard-size", args.max_shard_size),
+                                        ("--trainer", args.trainer),
+                                        ("--config-from", args.config_from))
+               if value is not None]
+    if args.format != "hf" and hf_only:
+        print(f"error: {', '.join(hf_only)} only apply to --format hf", file=sys.stderr)
+        return 1
+    if args.config_from is not None and not args.config_from.is_dir():
+        print(f"error: --config-from {args.config_from}: no such directory", file=sys.stderr)
+        return 1
+    map_key = None
+    if args.trainer is not None:
+        from dream_trainer.cli.target import load_trainer
+
+        trainer = load_trainer(args.trainer, [])
+        map_key = getattr(trainer, "map_exported_key", None)
+        if map_key is None:
+            print(f"error: --trainer {args.trainer}: {type(trainer).__name__} has no "
+                  "map_exported_key (it is not a SetupMixin trainer)", file=sys.stderr)
+            return 1
     try:
-        written = export_checkpoint(args.checkpoint, args.out_dir)
-    except CheckpointError as exc:
+        written = export_checkpoint(
+            args.checkpoint, args.out_dir, format=args.format,
+            dtype=getattr(torch, DTYPES[args.dtype]) if args.dtype else None, map_key=map_key,
+            max_shard_bytes=args.max_shard_size or DEFAULT_MAX_SHARD_BYTES)
+    except (CheckpointError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     for model, path in written.items():
+        if args.config_from is not None:
+            _copy_config(args.config_from, path)
         print(f"{model}: {path}")
     return 0
+
+
+def _copy_config(source: Path, target: Path) -> None:
+    for file in sorted(source.iterdir()):
+        if file.is_file() and not file.name.endswith(_WEIGHT_SUFFIXES) \
+                and not file.name.endswith(".index.json"):
+            shutil.copy2(file, target / file.name)

@@ -7,7 +7,8 @@ import logging
 import warnings
 from abc import abstractmethod
 from collections.abc import Iterable, Mapping
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -15,15 +16,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 
+from dream_trainer.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, ExportFormat
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.data_parallel import DDPBackend
 from dream_trainer.parallel.materialize import (FullTensorInit, any_rank_failed,
                                                 find_uninitialized, has_meta_tensors,
-                                                materialize)
+                                                materialize, parameters_named)
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.data.loaders import prepare_loader
 from dream_trainer.world.dims import MeshAxis
+
+if TYPE_CHECKING:
+    from dream_trainer.checkpoint.pretrained import PretrainedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +39,16 @@ _META_LOAD_WARNING = "to a meta parameter in the current model, which is a no-op
 
 
 class SetupConfigMixin(ConfigModel):
-    """Config counterpart of ``SetupMixin``; the parallelism settings live in
-    ``DeviceParameters``, so it adds no fields of its own yet."""
+    """Config counterpart of ``SetupMixin``: where the models' starting weights come from
+    (the parallelism settings live in ``DeviceParameters``)."""
+
+    init_weights_from: Path | dict[str, Path] | None = None
+    """Pretrained weights loaded after ``init_weights()``: a Hugging Face weights directory
+    (``model.safetensors``, or shards with ``model.safetensors.index.json``) or a
+    dream_trainer checkpoint (``step_<N>``); ``{model attribute: path}`` for several models."""
+    init_weights_strict: bool = True
+    """Refuse a load in which model keys are missing from the files or file keys are left
+    over (one error lists both); False warns and keeps ``init_weights()`` values."""
 
 
 class SetupMixin(AbstractTrainer):
@@ -52,10 +65,15 @@ class SetupMixin(AbstractTrainer):
     5. materialization: ``to_empty`` on the device, every submodule's ``reset_parameters()``,
        then ``init_weights()``; a tensor left on meta or non-finite is an error naming it.
        Random initializers of sharded (DTensor) parameters draw the full tensor and keep
-       the local shard, so a sharded model starts from exactly the single-process weights;
-    6. ``apply_replicate(dp_mesh)`` when only ``dp_replicate > 1`` (DDP needs real tensors,
+       the local shard, so a sharded model starts from exactly the single-process weights.
+       A ``transformers`` model gets its library's own initialization before
+       ``init_weights()``, so it needs none of the user's. Parameters that
+       ``init_weights_from`` will set are neither initialized nor checked;
+    6. ``init_weights_from``: pretrained weights read into each rank's shards (keys through
+       ``map_pretrained_key``; missing ones keep their values when not strict);
+    7. ``apply_replicate(dp_mesh)`` when only ``dp_replicate > 1`` (DDP needs real tensors,
        because it broadcasts rank 0's weights when it wraps the model);
-    7. ``configure_optimizers()``, ``configure_schedulers()``, ``configure_dataloaders()``
+    8. ``configure_optimizers()``, ``configure_schedulers()``, ``configure_dataloaders()``
        (map-style loaders with a plain sampler get a ``ResumableSampler``, on one rank too:
        it splits the data across data-parallel ranks and can resume mid-epoch).
     """
@@ -93,6 +111,60 @@ class SetupMixin(AbstractTrainer):
     @abstractmethod
     def configure_dataloaders(self) -> tuple[Iterable[Any], Iterable[Any] | None]:
         """Return ``(train_loader, val_loader)``; ``val_loader`` may be None."""
+
+    def map_pretrained_key(self, model_name: str, key: str) -> str | None:
+        """The model's state-dict key for ``key`` of ``init_weights_from``'s files.
+
+        Override to rename (``"transformer.h.0.attn"`` -> ``"layers.0.attn"``) or to skip a
+        key (return None: a head the new task replaces). The default keeps every key.
+        """
+        return key
+
+    def map_exported_key(self, model_name: str, key: str) -> str | None:
+        """The key under which ``export_weights(format="hf")`` writes the model's ``key``.
+
+        The inverse of ``map_pretrained_key``: override both together, so that an export
+        loads where the pretrained weights came from. Return None to leave a key out.
+        """
+        return key
+
+    def export_weights(self, path: str | Path, format: ExportFormat = "hf",
+                       dtype: torch.dtype | None = None,
+                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict[str, Path]:
+        """Write the models' current weights, consolidated, from any parallel layout.
+
+        Collective: every rank calls it; each writes its own slices and rank 0 joins them
+        (the ranks need a shared filesystem). ``"hf"`` writes ``path/model.safetensors``, or
+        shards and ``model.safetensors.index.json``, keyed by ``map_exported_key``, plus
+        ``config.json`` for a ``transformers`` model; with several models each gets the
+        directory ``path/<model>``. ``"safetensors"`` writes ``path/<model>.safetensors``
+        with the trainer's keys. Tied parameters are written once, under their first key.
+
+        Args:
+            path: The output directory (created if needed; old weight files in it are
+                replaced, other files kept).
+            format: ``"hf"`` or ``"safetensors"``.
+            dtype: Cast floating tensors (``torch.bfloat16``); None keeps their dtype.
+            max_shard_bytes: Largest shard of an ``"hf"`` export.
+
+        Returns:
+            The written directory (``"hf"``) or file of each model, by model name.
+
+        Raises:
+            ValueError: for an unknown format, or two keys mapped to the same name.
+            RuntimeError: when called by several ranks outside ``fit()``, whose process
+                group is gone (export from a hook such as ``post_fit`` instead).
+        """
+        from dream_trainer.checkpoint.hf import export_live
+
+        if self.world.world_size > 1 and not torch.distributed.is_initialized():
+            raise RuntimeError(
+                "export_weights is collective and the process group of this "
+                f"{self.world.world_size}-rank run is gone: call it during fit(), for example "
+                "from post_fit(), or export a checkpoint with `dream-trainer export`")
+
+        return export_live(self.named_models(), Path(path), format, self.map_exported_key,
+                           dtype, max_shard_bytes)
 
     # -- parallelism hooks -------------------------------------------------------------------------
     def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
@@ -241,17 +313,23 @@ class SetupMixin(AbstractTrainer):
 
     def _materialize_models(self) -> None:
         device = self.world.device
+        pretrained = self._pretrained_weights()
         # Re-seed so the weights depend only on the seed, whatever configure_models drew.
         self.world.seed(self.config.seed)
-        for model in self.named_models().values():
+        loaded: list[torch.Tensor] = []
+        for name, model in self.named_models().items():
+            names = pretrained.names(name) if pretrained is not None else set()
             if has_meta_tensors(model):
-                materialize(model, device)
+                materialize(model, device, skip=names)
             else:
                 model.to(device)
-        with FullTensorInit():
+            loaded += parameters_named(model, names)
+        with FullTensorInit(skip=loaded):
             self.init_weights()
+        # The parameters left for the pretrained weights still hold NaN; the load sets every
+        # one of them or raises.
         bad = [entry for name, model in self.named_models().items()
-               for entry in find_uninitialized(name, model)]
+               for entry in find_uninitialized(name, model, skip=loaded)]
         if any_rank_failed(bool(bad), device):
             raise RuntimeError(
                 "some model tensors were never initialized: "
@@ -260,6 +338,18 @@ class SetupMixin(AbstractTrainer):
                 + ". Give their module a reset_parameters() method or set them in "
                 "init_weights() (buffers computed in __init__ are lost on the meta device)"
             )
+        if pretrained is not None:
+            pretrained.load(expected=loaded, device=device)
+
+    def _pretrained_weights(self) -> PretrainedWeights | None:
+        """The planned ``init_weights_from`` load (sources opened, metadata only), if any."""
+        source = getattr(self.config, "init_weights_from", None)
+        if source is None:
+            return None
+        from dream_trainer.checkpoint.pretrained import PretrainedWeights
+
+        return PretrainedWeights(self.named_models(), source, self.map_pretrained_key,
+                                 strict=getattr(self.config, "init_weights_strict", True))
 
     def _setup_optimizers(self) -> None:
         before = dict(vars(self))

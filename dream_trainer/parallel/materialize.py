@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
@@ -13,7 +13,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dream_trainer.parallel.dtensor import is_dtensor, local_tensor
+from dream_trainer.parallel.hf_init import init_hf_models
 
+# Wrappers whose attribute shows in parameter names but not in get_model_state_dict's keys.
+_WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
+_CHECK_ELEMENTS = 2**22  # 16 MiB of float32 per isfinite call
 _RANDOM_FILLS = frozenset({"uniform_", "normal_", "bernoulli_", "random_", "exponential_",
                            "geometric_", "log_normal_", "cauchy_"})
 
@@ -26,7 +30,16 @@ class FullTensorInit(TorchFunctionMode):
     run. Under this mode a random fill or ``torch.nn.init`` function applied to a DTensor runs
     on a full-size plain tensor, consuming the generator exactly as one process would; each
     rank then keeps its slice. Peak extra memory is one tensor's full size.
+
+    Args:
+        skip: Tensors whose random initializers are not run at all (sharded or not): ones
+            about to be overwritten, such as parameters loaded from pretrained weights.
+            Constant fills (``nn.init.ones_`` calls ``fill_`` directly) still run.
     """
+
+    def __init__(self, skip: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self._skip = {id(tensor): tensor for tensor in skip}
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -34,6 +47,8 @@ class FullTensorInit(TorchFunctionMode):
         target = args[0] if args else kwargs.get("tensor")
         is_initializer = getattr(func, "__name__", None) in _RANDOM_FILLS \
             or getattr(func, "__module__", None) == "torch.nn.init"
+        if is_initializer and id(target) in self._skip:
+            return target
         if not (is_initializer and is_dtensor(target)):
             return func(*args, **kwargs)
         from torch.distributed.tensor import distribute_tensor  # loaded: target is one
@@ -56,43 +71,98 @@ def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
-def materialize(module: nn.Module, device: torch.device) -> None:
+def state_dict_name(name: str) -> str:
+    """A parameter's name as ``get_model_state_dict`` keys it (no wrapper attributes)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
+
+
+def parameters_named(module: nn.Module, names: Collection[str]) -> list[torch.Tensor]:
+    """The parameters of ``module`` whose names (as ``get_model_state_dict`` keys them,
+    without wrapper attributes) are in ``names``."""
+    return [param for name, param in module.named_parameters(remove_duplicate=False)
+            if state_dict_name(name) in names]
+
+
+def materialize(module: nn.Module, device: torch.device, skip: Collection[str] = ()) -> None:
     """Allocate ``module`` on ``device`` and run every submodule's ``reset_parameters``.
 
     Floating tensors are filled with NaN between allocation and reset, so that a tensor no
     initializer touched is caught by ``find_uninitialized`` instead of training on garbage.
     Submodules are reset in ``modules()`` order, the order in which eager construction runs
     them, and under ``FullTensorInit``, so sharded and unsharded models get the same weights
-    from the same seed.
+    from the same seed. A Hugging Face ``PreTrainedModel`` then gets its library's own
+    initialization (see ``init_hf_models``), as its ``post_init`` does after construction.
+    Parameters shared by several modules (tied embeddings) stay shared.
+
+    Args:
+        module: The model, on the meta device (sharded or not).
+        device: Where its tensors go.
+        skip: Names of parameters not to initialize (see ``parameters_named``): pretrained
+            weights are about to overwrite them, so neither time nor a full-size temporary
+            tensor is spent on them. They hold NaN until then.
     """
+    tied = _tied_parameters(module)
     module.to_empty(device=device)
+    _retie(tied)
     with torch.no_grad():
         for tensor in itertools.chain(module.parameters(), module.buffers()):
             if tensor.is_floating_point():
                 tensor.fill_(math.nan)
-    with FullTensorInit():
+    with FullTensorInit(skip=parameters_named(module, skip) if skip else ()):
         for submodule in module.modules():
             # torch's own nn.MultiheadAttention only has the private name.
             reset = getattr(submodule, "reset_parameters", None) \
                 or getattr(submodule, "_reset_parameters", None)
             if callable(reset):
                 reset()
+        init_hf_models(module)
 
 
-def find_uninitialized(name: str, module: nn.Module) -> list[str]:
+def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (owner, attribute) pairs of every parameter that more than one place holds."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for submodule in module.modules():
+        for name, param in submodule.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(param), []).append((submodule, name))
+    return [places for places in owners.values() if len(places) > 1]
+
+
+def _retie(tied: list[list[tuple[nn.Module, str]]]) -> None:
+    """Share each tied parameter again: ``to_empty`` from the meta device gives every
+    attribute a new ``Parameter`` (FSDP2's swap keeps them shared, plain modules do not)."""
+    for (first_owner, first_name), *others in tied:
+        shared = getattr(first_owner, first_name)
+        for owner, name in others:
+            if getattr(owner, name) is not shared:
+                setattr(owner, name, shared)
+
+
+def find_uninitialized(name: str, module: nn.Module,
+                       skip: Iterable[torch.Tensor] = ()) -> list[str]:
     """Names of parameters/buffers of ``module`` still on meta or holding non-finite values.
 
-    Only this rank's shards are inspected; combine ranks with ``any_rank_failed``.
+    Only this rank's shards are inspected; combine ranks with ``any_rank_failed``. Tensors in
+    ``skip`` (left for pretrained weights to fill) are not inspected.
     """
     bad = []
+    skipped = {id(tensor) for tensor in skip}
     named = itertools.chain(module.named_parameters(), module.named_buffers())
     for tensor_name, tensor in named:
+        if id(tensor) in skipped:
+            continue
         local = local_tensor(tensor)
         if local.is_meta:
             bad.append(f"{name}.{tensor_name} (still on the meta device)")
-        elif local.is_floating_point() and not bool(torch.isfinite(local).all()):
+        elif local.is_floating_point() and not _all_finite(local):
             bad.append(f"{name}.{tensor_name} (not initialized: NaN or inf)")
     return bad
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """``isfinite(tensor).all()`` a slice at a time: on a whole tensor ``isfinite`` makes
+    temporaries about twice its size (an absolute-value copy and two masks)."""
+    flat = tensor.detach().reshape(-1)
+    return all(bool(torch.isfinite(chunk).all()) for chunk in flat.split(_CHECK_ELEMENTS))
 
 
 def any_rank_failed(failed: bool, device: torch.device) -> bool:

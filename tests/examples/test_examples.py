@@ -17,6 +17,7 @@ GAN = REPO / "examples/gan.py"
 DIGITS = REPO / "examples/digits.py"
 CHAR_GPT = REPO / "examples/char_gpt.py"
 FINETUNE = REPO / "examples/finetune.py"
+FINETUNE_HF = REPO / "examples/finetune_hf.py"
 
 FSDP = ["--device_parameters.dp_replicate", "1", "--device_parameters.dp_shard", "auto"]
 # A model and schedule small enough for a few seconds on two CPU ranks; the finetune run
@@ -180,3 +181,34 @@ def test_finetune_without_a_pretrained_checkpoint_says_what_to_run(tmp_path: Pat
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "run examples/char_gpt.py first" in result.stderr
+
+
+# A two-layer Llama of width 32 on 32-byte windows: a few seconds of training in one process.
+TINY_LLAMA = ["--llama.hidden_size", "32", "--llama.intermediate_size", "64",
+              "--llama.num_hidden_layers", "2", "--llama.context", "32"]
+HF_SHORT_RUN = ["--training_parameters.n_epochs", "1",
+                "--training_parameters.train_steps_per_epoch", "15",
+                "--training_parameters.val_steps_per_epoch", "2"]
+
+
+def test_finetune_hf_starts_from_the_pretrained_weights_and_exports_what_it_trained(
+        tmp_path: Path) -> None:
+    def run(*args: str) -> str:
+        return check(subprocess.run([sys.executable, str(FINETUNE_HF), *TINY_LLAMA,
+                                     *HF_SHORT_RUN, *args], env=child_env(), cwd=tmp_path,
+                                    capture_output=True, text=True, timeout=300)).stdout
+
+    first = run()
+    outputs = tmp_path / "outputs/examples/finetune_hf"
+    assert re.search(r"^started from (.+)$", first, re.M).group(1) == str(outputs / "pretrained")
+    (_, start), (step, end) = val_losses(first)
+    assert step == 15 and abs(start - 5.55) < 0.3  # the stand-in's weights are random
+    assert end < start - 1.0, first
+    assert float(re.search(r"logits differ by at most ([\d.e+-]+)", first).group(1)) <= 1e-5
+    assert {p.name for p in (outputs / "exported").iterdir()} == {"config.json",
+                                                                  "model.safetensors"}
+    # Starting from the export continues exactly where the first run ended: the
+    # validation before any step sees the fine-tuned model, not a fresh one.
+    second = run("--init_weights_from", str(outputs / "exported"),
+                 "--export_dir", str(tmp_path / "again"), "--experiment", "again")
+    assert val_losses(second)[0] == (0, end)

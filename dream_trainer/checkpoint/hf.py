@@ -1,0 +1,237 @@
+"""The Hugging Face safetensors layout: recognizing it, and writing it from a live run.
+
+A Hugging Face weights directory holds ``model.safetensors``, or shards
+``model-00001-of-0000N.safetensors`` with ``model.safetensors.index.json`` mapping each key
+to its shard. ``export_live`` writes that layout from models of any parallel layout with
+torch DCP's ``HuggingFaceStorageWriter``: every rank writes its own slices, then rank 0
+consolidates them into full tensors (the ranks need a shared filesystem, as checkpoints do).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dream_trainer.checkpoint.layout import CheckpointError
+from dream_trainer.parallel.hf_init import is_hf_model
+from dream_trainer.parallel.materialize import state_dict_name
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+"""Shard size of an export unless asked otherwise: 5 GiB, transformers 4's default."""
+
+ExportFormat = Literal["hf", "safetensors"]
+KeyMap = Callable[[str, str], "str | None"]
+"""``(model name, key) -> key``, or None to skip the key."""
+
+
+def is_hf_dir(path: Path) -> bool:
+    """True when ``path`` holds ``model.safetensors`` or ``model.safetensors.index.json``."""
+    return (path / WEIGHTS).is_file() or (path / INDEX).is_file()
+
+
+def check_hf_dir(path: Path) -> None:
+    """Check that every file the index names is there and no stray weights file is.
+
+    DCP's ``HuggingFaceStorageReader`` reads every ``*.safetensors`` file of the directory,
+    so a leftover file (an older export's shard) would be read as part of the weights.
+
+    Raises:
+        CheckpointError: naming the missing shard or the stray file.
+    """
+    present = {file.name for file in path.glob("*.safetensors")}
+    if not (path / INDEX).is_file():
+        expected = {WEIGHTS}
+    else:
+        try:
+            expected = set(json.loads((path / INDEX).read_text())["weight_map"].values())
+        except (ValueError, KeyError, AttributeError) as exc:
+            raise CheckpointError(f"{path / INDEX} is not a safetensors index (a JSON object "
+                                  f"with a weight_map): {exc}") from exc
+    missing = sorted(expected - present)
+    if missing:
+        raise CheckpointError(f"{path} lacks the weight files {', '.join(missing)} that "
+                              f"{INDEX} names: copy the complete directory")
+    stray = sorted(present - expected)
+    if stray:
+        raise CheckpointError(f"{path} holds weight files that are not part of its "
+                              f"{'index' if (path / INDEX).is_file() else WEIGHTS}: "
+                              f"{', '.join(stray)}; move them elsewhere")
+
+
+def shard_file_names(count: int, stem: str = "model") -> list[str]:
+    """``model.safetensors`` for one file, else ``model-0000i-of-0000N.safetensors``."""
+    if count == 1:
+        return [f"{stem}.safetensors"]
+    return [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Split keys, in order, into shards of at most ``max_shard_bytes`` (a larger tensor gets
+    a shard of its own)."""
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    shards: list[list[str]] = [[]]
+    used = 0
+    for key, size in sizes.items():
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(key)
+        used += size
+    return shards
+
+
+def write_index(out: Path, shards: list[list[str]], sizes: Mapping[str, int]) -> None:
+    """Write ``model.safetensors.index.json`` for ``shards`` named by ``shard_file_names``."""
+    names = shard_file_names(len(shards))
+    index = {"metadata": {"total_size": sum(sizes.values())},
+             "weight_map": {key: name for keys, name in zip(shards, names) for key in keys}}
+    (out / INDEX).write_text(json.dumps(index, indent=2))
+
+
+def tied_groups(model: nn.Module) -> dict[str, int]:
+    """State-dict key -> group number, for keys whose parameter another key shares."""
+    root = model.module if isinstance(model, DistributedDataParallel) else model
+    by_param: dict[int, list[str]] = {}
+    for name, param in root.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(param), []).append(state_dict_name(name))
+    groups = [names for names in by_param.values() if len(set(names)) > 1]
+    return {name: number for number, names in enumerate(groups) for name in names}
+
+
+def exported_state(name: str, model: nn.Module, map_key: KeyMap | None,
+                   dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The model's tensors as they are exported: sharded as the model is, tied copies
+    dropped (the first key of each tied group is kept), keys mapped, floats cast.
+
+    Raises:
+        ValueError: if two keys map to the same exported key.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    groups = tied_groups(model)
+    seen_groups: set[int] = set()
+    exported: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    for key, tensor in get_model_state_dict(model).items():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        group = groups.get(key)
+        if group is not None:
+            if group in seen_groups:
+                continue
+            seen_groups.add(group)
+        target = map_key(name, key) if map_key is not None else key
+        if target is None:
+            continue
+        if target in exported:
+            raise ValueError(f"map_exported_key({name!r}, ...) maps both {origin[target]!r} "
+                             f"and {key!r} to {target!r}: each exported key must be unique")
+        origin[target] = key
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        exported[target] = tensor
+    return exported
+
+
+def export_live(models: Mapping[str, nn.Module], path: Path, format: ExportFormat,
+                map_key: KeyMap | None, dtype: torch.dtype | None,
+                max_shard_bytes: int) -> dict[str, Path]:
+    """Write every model's weights from a running trainer (collective); see
+    ``SetupMixin.export_weights`` for the layout.
+
+    Returns:
+        What was written for each model: its Hugging Face directory, or its file.
+    """
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter, save
+
+    if format not in ("hf", "safetensors"):
+        raise ValueError(f"format={format!r}: expected 'hf' (Hugging Face layout) or "
+                         "'safetensors' (one file per model, the trainer's keys)")
+    written = {}
+    for name, model in models.items():
+        state = exported_state(name, model, map_key if format == "hf" else None, dtype)
+        if format == "hf":
+            target = path if len(models) == 1 else path / name
+            sizes = {key: tensor.numel() * tensor.element_size()
+                     for key, tensor in state.items()}
+            shards = plan_shards(sizes, max_shard_bytes)
+        else:
+            target = path / f"{name}.safetensors"
+            shards = [list(state)]
+        staging = target.parent / f".{target.name}.partial"
+        if _is_rank_zero():
+            shutil.rmtree(staging, ignore_errors=True)
+        _barrier()
+        writer = HuggingFaceStorageWriter(
+            str(staging), save_distributed=True, enable_consolidation=True,
+            fqn_to_index_mapping={key: number for number, keys in enumerate(shards, start=1)
+                                  for key in keys})
+        with warnings.catch_warnings():
+            # One process is a valid case here; DCP warns that it assumes so.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            save(state, storage_writer=writer)
+        if _is_rank_zero():
+            _publish(staging, target, len(shards), model if format == "hf" else None)
+        _barrier()
+        logger.info("exported %s to %s", name, target)
+        written[name] = target
+    return written
+
+
+def _publish(staging: Path, target: Path, count: int, model: nn.Module | None) -> None:
+    """Give the consolidated files their final names and move them to ``target``; a
+    directory target keeps its other files (a tokenizer) but loses its old weight files."""
+    shutil.rmtree(staging / "sharded")
+    produced = sorted(staging.glob("*.safetensors"))
+    if model is None:  # one file per model
+        target.unlink(missing_ok=True)
+        produced[0].replace(target)
+        shutil.rmtree(staging)
+        return
+    if count == 1:
+        produced[0].replace(staging / WEIGHTS)
+        (staging / INDEX).unlink()
+    root = model.module if isinstance(model, DistributedDataParallel) else model
+    if is_hf_model(root):
+        root.config.to_json_file(str(staging / CONFIG))  # type: ignore[operator,union-attr]
+    replace_weights(staging, target)
+
+
+def replace_weights(staging: Path, target: Path) -> None:
+    """Move the files of ``staging`` into ``target`` and remove ``staging``.
+
+    The weights are written completely elsewhere first, so a failed export leaves the old
+    ones intact; the old weight files of ``target`` go only once the new ones exist, while
+    its other files (a tokenizer, a config) stay.
+    """
+    target.mkdir(parents=True, exist_ok=True)
+    for old in [*target.glob("*.safetensors"), target / INDEX]:
+        old.unlink(missing_ok=True)
+    for file in staging.iterdir():
+        file.replace(target / file.name)
+    staging.rmdir()
+
+
+def _is_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

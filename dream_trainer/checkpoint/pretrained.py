@@ -1,0 +1,267 @@
+"""Loading pretrained weights into materialized models of any parallel layout.
+
+The source is a directory in the Hugging Face layout (see ``hf.py``) or a complete
+dream_trainer checkpoint. Every model's state dict comes from ``get_model_state_dict``, so
+its tensors are the live parameters, sharded as the model is (FSDP2, TP, both); torch DCP
+then reads into them only the slices each rank owns (``SliceReader`` for safetensors),
+converting the dtype as it copies. No rank ever holds a full copy of the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dream_trainer.checkpoint.hf import KeyMap, check_hf_dir, is_hf_dir, tied_groups
+from dream_trainer.checkpoint.layout import CheckpointError, is_complete, verify_files
+from dream_trainer.parallel.dtensor import local_tensor
+from dream_trainer.parallel.materialize import any_rank_failed
+
+logger = logging.getLogger(__name__)
+
+_SHOWN = 20  # keys listed per kind in an error; the rest are counted
+
+
+@dataclass
+class _Source:
+    """One model's pretrained tensors: file key -> (DCP storage key, shape)."""
+
+    path: Path
+    reader: Any
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+
+
+@dataclass
+class _Fit:
+    """How a source's keys meet a model's: what loads where, and what does not fit."""
+
+    targets: dict[str, torch.Tensor] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+
+def resolve_sources(init_weights_from: Path | Mapping[str, Path],
+                    models: Mapping[str, nn.Module]) -> dict[str, Path]:
+    """Model name -> directory to load it from.
+
+    A single Hugging Face directory goes to the one model that has a state; a single
+    dream_trainer checkpoint to every such model (each reads its namesake in it).
+
+    Raises:
+        ValueError: for a mapping naming an unknown model, or one Hugging Face directory
+            for several models.
+    """
+    if isinstance(init_weights_from, Mapping):
+        unknown = sorted(set(init_weights_from) - set(models))
+        if unknown:
+            raise ValueError(f"init_weights_from names {', '.join(map(repr, unknown))}, which "
+                             f"configure_models did not create; the models are "
+                             f"{', '.join(map(repr, models))}")
+        return {name: Path(path) for name, path in init_weights_from.items()}
+    path = Path(init_weights_from)
+    stateful = [name for name, model in models.items() if model.state_dict()]
+    if is_hf_dir(path) and len(stateful) > 1:
+        raise ValueError(f"init_weights_from={str(path)!r} is one Hugging Face directory but "
+                         f"the trainer has several models ({', '.join(stateful)}): map each "
+                         "model to its own directory, e.g. {'model': '/path/to/weights'}")
+    return {name: path for name in stateful}
+
+
+class PretrainedWeights:
+    """A load planned before the models are materialized and run after.
+
+    Opening the sources reads only their metadata, so the names of the parameters that the
+    files will set are known while the models are still on the meta device: materialization
+    skips initializing them (``names``), and ``load`` then fills them.
+
+    Args:
+        models: The trainer's models by name.
+        init_weights_from: One directory, or ``{model name: directory}``.
+        map_key: ``(model name, file key) -> model key``, or None to skip the key.
+        strict: Refuse missing and unexpected keys instead of warning about them.
+
+    Raises:
+        CheckpointError: for a source that is neither layout.
+        ValueError: for a mapping naming an unknown model, or one Hugging Face directory
+            for several models.
+    """
+
+    def __init__(self, models: Mapping[str, nn.Module],
+                 init_weights_from: Path | Mapping[str, Path], map_key: KeyMap,
+                 strict: bool) -> None:
+        self.models = models
+        self.map_key = map_key
+        self.strict = strict
+        self.sources = {name: _open(path, name)
+                        for name, path in resolve_sources(init_weights_from, models).items()}
+
+    def names(self, model_name: str) -> set[str]:
+        """The model keys that the files of ``model_name`` will set (if they fit)."""
+        source = self.sources.get(model_name)
+        if source is None:
+            return set()
+        return {key for file_key in source.tensors
+                if (key := self.map_key(model_name, file_key)) is not None}
+
+    def load(self, expected: Iterable[torch.Tensor] = (),
+             device: torch.device = torch.device("cpu")) -> None:
+        """Read the weights into the materialized models (collective).
+
+        Args:
+            expected: Parameters left uninitialized for this load (found by ``names``); each
+                must be among the tensors it sets.
+            device: The ranks' device, for their agreement on the outcome.
+
+        Raises:
+            CheckpointError: for shapes that differ (always) or, when strict, keys missing on
+                either side, all listed in one message; or if an expected parameter was not
+                set (it would train on NaN).
+        """
+        from torch.distributed.checkpoint import load
+
+        filled: set[int] = set()
+        for name, source in self.sources.items():
+            fit = _agree(_match(name, self.models[name], source, self.map_key))
+            path = source.path
+            if fit.mismatched:
+                raise CheckpointError(f"init_weights_from={str(path)!r} does not fit model "
+                                      f"{name!r}: shapes differ for {_listing(fit.mismatched)}")
+            if fit.missing or fit.unexpected:
+                report = _report(name, path, fit)
+                if self.strict:
+                    raise CheckpointError(
+                        f"{report}. Rename keys in map_pretrained_key (return None to skip "
+                        "one), or set init_weights_strict=False to load the rest and keep "
+                        "init_weights() values for the missing keys")
+                if _is_rank_zero():
+                    logger.warning("%s; init_weights_strict=False: the missing keys keep "
+                                   "their init_weights() values", report)
+            try:
+                with warnings.catch_warnings():
+                    # One process is a valid case here; DCP warns that it assumes so.
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    load(fit.targets, storage_reader=source.reader)
+            except Exception as exc:
+                raise CheckpointError(f"failed to load {path} into model {name!r}: "
+                                      f"{exc}") from exc
+            logger.info("loaded %d tensors of model %s from %s", len(fit.targets), name, path)
+            filled |= {local_tensor(tensor).data_ptr() for tensor in fit.targets.values()}
+        unfilled = [tuple(tensor.shape) for tensor in map(local_tensor, expected)
+                    if tensor.numel() and tensor.data_ptr() not in filled]
+        if any_rank_failed(bool(unfilled), device):
+            raise CheckpointError(
+                "init_weights_from did not set parameters that were left for it (shapes "
+                f"{unfilled[:5] or 'on another rank'}): their state-dict names differ from "
+                "their parameter names; set init_weights_strict=True to see the keys")
+
+
+def _open(path: Path, model_name: str) -> _Source:
+    """Read the metadata (headers only) of the weights for ``model_name`` under ``path``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from dream_trainer.checkpoint.hf_reader import SliceReader
+
+    if is_hf_dir(path):
+        check_hf_dir(path)
+        reader = SliceReader(str(path))
+        metadata = reader.read_metadata()
+        tensors = {key: (key, tuple(entry.size))
+                   for key, entry in metadata.state_dict_metadata.items()}
+        return _Source(path, reader, tensors)
+    if not is_complete(path):
+        raise CheckpointError(
+            f"init_weights_from={str(path)!r} is neither a Hugging Face weights directory "
+            "(model.safetensors, or shards with model.safetensors.index.json) nor a complete "
+            "dream_trainer checkpoint (a step_<N> directory with .metadata)"
+            + ("" if path.exists() else ": it does not exist"))
+    reader = FileSystemReader(str(path))
+    metadata = reader.read_metadata()
+    verify_files(path, metadata)
+    by_model: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        parts = key.split(".", 3)
+        if len(parts) == 4 and parts[:2] == ["state", "models"] \
+                and isinstance(entry, TensorStorageMetadata):
+            by_model.setdefault(parts[2], {})[parts[3]] = (key, tuple(entry.size))
+    if model_name in by_model:
+        return _Source(path, reader, by_model[model_name])
+    if len(by_model) == 1:
+        return _Source(path, reader, next(iter(by_model.values())))
+    raise CheckpointError(f"checkpoint {path} holds the models {', '.join(sorted(by_model))} "
+                          f"but none named {model_name!r}")
+
+
+def _match(name: str, model: nn.Module, source: _Source, map_key: KeyMap) -> _Fit:
+    """Pair the source's keys with the model's (after ``map_key``); one rank's view."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = {key: value for key, value in get_model_state_dict(model).items()
+             if isinstance(value, torch.Tensor)}
+    fit = _Fit()
+    claimed: dict[str, str] = {}
+    for file_key, (storage_key, shape) in source.tensors.items():
+        key = map_key(name, file_key)
+        if key is None:
+            continue
+        shown = file_key if key == file_key else f"{file_key} (as {key})"
+        if key not in state:
+            fit.unexpected.append(f"{shown} {shape}")
+        elif key in claimed:
+            raise CheckpointError(f"map_pretrained_key({name!r}, ...) maps both "
+                                  f"{claimed[key]!r} and {file_key!r} to {key!r}")
+        elif tuple(state[key].shape) != shape:
+            fit.mismatched.append(f"{shown} (file {shape}, model {tuple(state[key].shape)})")
+        else:
+            claimed[key] = file_key
+            fit.targets[storage_key] = state[key]
+    # A tied parameter is loaded once it is loaded under any of its names.
+    groups = tied_groups(model)
+    loaded_groups = {groups[key] for key in claimed if key in groups}
+    fit.missing = [f"{key} {tuple(tensor.shape)}" for key, tensor in state.items()
+                   if key not in claimed and groups.get(key, -1) not in loaded_groups]
+    return fit
+
+
+def _agree(fit: _Fit) -> _Fit:
+    """Combine every rank's view, so that all ranks raise or load together: a key is missing
+    or mismatched if it is on any rank, unexpected only if no rank has it (a pipeline stage
+    holds only its own blocks)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return fit
+    views: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (fit.missing, fit.unexpected, fit.mismatched))
+    everywhere = set.intersection(*(set(unexpected) for _, unexpected, _ in views))
+    fit.missing = list(dict.fromkeys(key for missing, _, _ in views for key in missing))
+    fit.unexpected = [key for key in views[0][1] if key in everywhere]
+    fit.mismatched = list(dict.fromkeys(key for _, _, mismatched in views for key in mismatched))
+    return fit
+
+
+def _report(name: str, path: Path, fit: _Fit) -> str:
+    parts = []
+    if fit.missing:
+        parts.append(f"{len(fit.missing)} missing (in the model, not in the files): "
+                     f"{_listing(fit.missing)}")
+    if fit.unexpected:
+        parts.append(f"{len(fit.unexpected)} unexpected (in the files, not in the model): "
+                     f"{_listing(fit.unexpected)}")
+    return f"init_weights_from={str(path)!r} does not fit model {name!r}: " + "; ".join(parts)
+
+
+def _listing(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_SHOWN])
+    return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
+
+
+def _is_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -1,0 +1,120 @@
+"""Tiny Hugging Face causal LMs, and a trainer for them, for the pretrained-weights tests.
+
+Importing this module imports ``transformers`` (a test dependency, never one of
+dream_trainer's).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from dream_trainer import BaseTrainer, BaseTrainerConfig
+from dream_trainer.configs import DeviceParameters, TrainingParameters
+from dream_trainer.mixins import SetupConfigMixin, SetupMixin
+
+VOCAB, SEQ = 64, 16
+Architecture = Literal["llama", "gpt2"]
+
+
+def llama_config() -> LlamaConfig:
+    """Two layers, grouped-query attention (4 heads, 2 key/value heads), untied head."""
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=2 * SEQ)
+
+
+def gpt2_config() -> GPT2Config:
+    """GPT-2's layout: learned positions, LayerNorm, and the head tied to the embedding."""
+    return GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ,
+                      bos_token_id=0, eos_token_id=0)
+
+
+def build(architecture: Architecture) -> nn.Module:
+    if architecture == "llama":
+        return LlamaForCausalLM(llama_config())
+    return GPT2LMHeadModel(gpt2_config())
+
+
+def save_pretrained(architecture: Architecture, path: Path, seed: int = 0) -> nn.Module:
+    """Build the model eagerly with random weights, as a download would provide them, and
+    ``save_pretrained`` it; returns the model."""
+    torch.manual_seed(seed)
+    model = build(architecture).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def fixed_batch() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The model's logits in eval mode (dropout off), then back to its previous mode."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=tokens).logits.detach().clone()
+    model.train(was_training)
+    return out
+
+
+class HFConfig(BaseTrainerConfig, SetupConfigMixin):
+    architecture: Architecture = "llama"
+    lr: float = 0.05
+
+
+def hf_config(architecture: Architecture = "llama", batch: int = 4,
+              device_parameters: DeviceParameters | None = None, **fields: Any) -> HFConfig:
+    training = fields.pop("training_parameters", None) or TrainingParameters(
+        n_epochs=1, train_batch_size=batch, max_steps=3)
+    return HFConfig(project="hf", group="tests", experiment=architecture,
+                    architecture=architecture, training_parameters=training,
+                    device_parameters=device_parameters or DeviceParameters.SINGLE_DEVICE(),
+                    **fields)
+
+
+class HFTrainer(BaseTrainer, SetupMixin):
+    """Fine-tunes a tiny causal LM with SGD on random tokens."""
+
+    config: HFConfig
+
+    def configure_models(self) -> None:
+        self.model = build(self.config.architecture)
+
+    def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+
+        # Llama's attention infers its head count from the projection's width, so a
+        # column-parallel q/k/v carries this rank's heads and o_proj sums their outputs.
+        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()}
+        for layer in self.model.model.layers:
+            parallelize_module(layer, tp_mesh, plan)
+
+    def configure_optimizers(self) -> None:
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.config.lr)
+
+    def configure_dataloaders(self) -> tuple[DataLoader[Any], None]:
+        tokens = torch.randint(0, VOCAB, (32, SEQ), generator=torch.Generator().manual_seed(2))
+        return DataLoader(TensorDataset(tokens),
+                          batch_size=self.config.training_parameters.train_batch_size), None
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        (tokens,) = batch
+        loss = self.model(input_ids=tokens, labels=tokens).loss
+        self.backward(loss)
+        self.step(self.model, self.optimizer)
+        return {"loss": loss}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        return {}
