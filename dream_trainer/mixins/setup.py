@@ -24,6 +24,7 @@ from dream_trainer.parallel.materialize import (FullTensorInit, any_rank_failed,
                                                 find_uninitialized, has_meta_tensors,
                                                 materialize, parameters_named)
 from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.trainer.schedulers import step_with_metric, takes_metric
 from dream_trainer.data.loaders import prepare_loader
 from dream_trainer.world.dims import MeshAxis
 
@@ -49,6 +50,10 @@ class SetupConfigMixin(ConfigModel):
     init_weights_strict: bool = True
     """Refuse a load in which model keys are missing from the files or file keys are left
     over (one error lists both); False warns and keeps ``init_weights()`` values."""
+    scheduler_monitor: str | None = None
+    """The result key passed to schedulers stepped by a metric (``ReduceLROnPlateau``) after
+    each of the loop's validation passes (after each training epoch without a validation
+    loader); ``step()`` does not step them."""
 
 
 class SetupMixin(AbstractTrainer):
@@ -382,6 +387,29 @@ class SetupMixin(AbstractTrainer):
         before = dict(vars(self))
         self.configure_schedulers()
         self._scheduler_names = _assigned(self, before, LRScheduler)
+        metric_driven = [name for name, scheduler in self.named_schedulers().items()
+                         if takes_metric(scheduler)]
+        if metric_driven and getattr(self.config, "scheduler_monitor", None) is None:
+            raise ValueError(
+                f"{', '.join(metric_driven)} steps on a metric (its step() takes a value): set "
+                "scheduler_monitor to the result key to pass it, e.g. scheduler_monitor="
+                "'val_loss'; it is stepped after each validation pass"
+            )
+
+    # -- metric-driven schedulers ------------------------------------------------------------
+    def post_train_epoch(self, result: dict[str, Any]) -> None:
+        super().post_train_epoch(result)
+        if self.val_dataloader is None:
+            self._step_metric_schedulers(result, "training epoch")
+
+    def post_val_epoch(self, result: dict[str, Any]) -> None:
+        super().post_val_epoch(result)
+        if not (self.sanity_checking or self.evaluating):
+            self._step_metric_schedulers(result, "validation")
+
+    def _step_metric_schedulers(self, result: dict[str, Any], where: str) -> None:
+        step_with_metric(self.named_schedulers(), getattr(self.config, "scheduler_monitor", None),
+                         result, where)
 
     def _setup_dataloaders(self) -> None:
         loaders = self.configure_dataloaders()

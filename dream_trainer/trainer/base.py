@@ -24,6 +24,7 @@ from dream_trainer.parallel.grad_norm import clip_grad_norm
 from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainer, AbstractTrainerConfig, StopTraining
 from dream_trainer.trainer.item_weighting import ItemWeighting
+from dream_trainer.trainer.schedulers import takes_metric
 from dream_trainer.utils.averaging import WEIGHT_KEY, ResultAverager
 from dream_trainer.world.world import DistributedWorld
 
@@ -331,6 +332,11 @@ class BaseTrainer(AbstractTrainer):
         optimizer.zero_grad(set_to_none=True)
         if scheduler is None:
             scheduler = self._scheduler_for(optimizer)
+        elif takes_metric(scheduler):
+            raise ValueError(
+                f"step() cannot step {type(scheduler).__name__}: it steps on a metric, after "
+                "each validation pass (set scheduler_monitor), not after each optimizer step"
+            )
         if scheduler is not None:
             scheduler.step()
         self._fire("post_optimizer_step", model, optimizer)
@@ -338,7 +344,7 @@ class BaseTrainer(AbstractTrainer):
 
     def _scheduler_for(self, optimizer: torch.optim.Optimizer) -> LRScheduler | None:
         for scheduler in self.named_schedulers().values():
-            if scheduler.optimizer is optimizer:
+            if scheduler.optimizer is optimizer and not takes_metric(scheduler):
                 return scheduler
         return None
 
