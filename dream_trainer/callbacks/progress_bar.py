@@ -31,6 +31,8 @@ def planned_optimizer_steps(params: TrainingParameters, steps_per_epoch: int) ->
     Returns:
         The planned number of optimizer steps over the whole run.
     """
+    if params.n_epochs is None:  # validated: max_steps is set
+        return int(params.max_steps)  # type: ignore[arg-type]
     total = params.n_epochs * steps_per_epoch
     return total if params.max_steps is None else min(total, params.max_steps)
 
@@ -109,8 +111,8 @@ class ProgressBar(RankZeroCallback):
         params = self.trainer.training_parameters
         self._steps_per_epoch = self.trainer._train_steps_per_epoch
         self._total_steps = planned_optimizer_steps(params, self._steps_per_epoch)
-        self._total_epochs = min(params.n_epochs,
-                                 math.ceil(self._total_steps / self._steps_per_epoch))
+        needed = math.ceil(self._total_steps / self._steps_per_epoch)
+        self._total_epochs = needed if params.n_epochs is None else min(params.n_epochs, needed)
         self._loss_ema = self._step_time_ema = None
         self._mark_time, self._mark_step = time.perf_counter(), self.trainer.global_step
         self._fit_start_step = self.trainer.global_step

@@ -83,6 +83,11 @@ def join_tensors(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     return value
 
 
+LOADER = "loader_dp"
+"""Key prefix (under ``state.``) of each data-parallel rank's position in a stateful train
+loader, written by every rank of that index (tensor-parallel peers read alike)."""
+
+
 def rank_key(rank: int) -> str:
     """Key (under ``state.``) of one process's own blob: its generators and user state."""
     return f"rank{rank}"
@@ -192,6 +197,14 @@ class TrainingState:
             "world_size": trainer.world.world_size,
         }, "", tensors))
         state[TENSORS] = tensors if self.saved is None else self._load_targets(tensors)
+        if self.saved is None:
+            position = trainer.data_state_dict()
+            if position is not None:
+                state[f"{LOADER}{trainer.world.dp_rank}"] = pack(position)
+        else:  # every saved rank's position: another topology may need them all
+            for key in self.saved:
+                if key.startswith(f"state.{LOADER}"):
+                    state[key.removeprefix("state.")] = b""
         key = rank_key(trainer.world.rank)
         if self.saved is None or f"state.{key}" in self.saved:
             state[key] = pack({"rng": rng_state(), "user": trainer.rank_state_dict()})
@@ -233,6 +246,12 @@ class TrainingState:
                                       f"(it has {sorted(shared['schedulers'])})")
             scheduler.load_state_dict(shared["schedulers"][name])
         trainer.load_state_dict(shared["trainer"])
+        positions = {int(key.removeprefix(LOADER)): unpack(blob, device)
+                     for key, blob in state_dict.items() if key.startswith(LOADER)}
+        try:
+            trainer.load_data_state_dict(positions, int(shared["trainer"]["dp_size"]))
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from exc
         trainer.load_extra_state_dict(shared["extra"])
         self.resumed_mid_epoch = int(shared["trainer"].get("batch_in_epoch", 0)) > 0
         own = state_dict.get(rank_key(trainer.world.rank))

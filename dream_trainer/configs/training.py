@@ -12,8 +12,9 @@ from dream_trainer.configs.base import ConfigModel
 class TrainingParameters(ConfigModel):
     """The loop's schedule. Every count is validated when the model is built."""
 
-    n_epochs: PositiveInt
-    """Number of passes over the training data."""
+    n_epochs: PositiveInt | None
+    """Number of passes over the training data; ``None`` trains until ``max_steps`` (a
+    stream needs no epochs)."""
     train_batch_size: PositiveInt
     """Micro-batch size per rank."""
     val_batch_size: PositiveInt | None = None
@@ -32,6 +33,13 @@ class TrainingParameters(ConfigModel):
     """Clip the total gradient norm to this value in ``step()``; ``None`` disables clipping."""
     max_steps: PositiveInt | None = None
     """Stop after this many optimizer steps, even mid-epoch."""
+
+    @model_validator(mode="after")
+    def _budget(self) -> TrainingParameters:
+        if self.n_epochs is None and self.max_steps is None:
+            raise ValueError("n_epochs=None trains until max_steps, so max_steps must be set "
+                             "(or give n_epochs a number)")
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -32,10 +32,11 @@ class EvalMixin(AbstractTrainer):
 
     ``configure_metrics()`` assigns ``Metric``/``MetricCollection`` attributes; they are moved
     to the device, reset before every validation pass, updated by ``validation_step`` (call
-    ``self.<metric>.update(...)`` or ``self.<metric>(...)``), and at the end of the pass
-    computed over every data-parallel rank and merged into the epoch result as
-    ``"<attribute>/<name>"``: ``<name>`` is a collection's key, or a single metric's class
-    name. A metric that no rank updated contributes nothing.
+    ``self.<metric>.update(...)`` or ``self.<metric>(...)``), and at the end of each
+    validation set computed over every data-parallel rank, reset, and merged into the result
+    as ``"<attribute>/<name>"`` (``"<set>/<attribute>/<name>"`` with several named sets):
+    ``<name>`` is a collection's key, or a single metric's class name. A metric that no rank
+    updated contributes nothing.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -75,9 +76,11 @@ class EvalMixin(AbstractTrainer):
                 leaf.sync_on_compute = mesh is not None
         super().pre_val_epoch()
 
-    def post_val_epoch(self, result: dict[str, Any]) -> None:
+    def end_of_validation_set(self, result: dict[str, Any]) -> None:
+        # Each validation set's metrics are computed over its own samples, then reset for
+        # the next set; the loop prefixes them with the set's name.
         result.update(self.compute_metrics())
-        super().post_val_epoch(result)
+        super().end_of_validation_set(result)
 
     # -- computing -------------------------------------------------------------------------
     def compute_metrics(self) -> dict[str, float]:
@@ -95,7 +98,8 @@ class EvalMixin(AbstractTrainer):
             metric.reset()
         return values
 
-    def evaluate(self, dataloader: Iterable[Any] | None = None) -> dict[str, float]:
+    def evaluate(self, dataloader: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None
+                 ) -> dict[str, float]:
         """Run a validation pass now and return its results, metrics included.
 
         Usable from a hook during ``fit()`` and after it, in every parallel mode (see
@@ -104,16 +108,16 @@ class EvalMixin(AbstractTrainer):
         and checkpoint ranking ignore it.
 
         Args:
-            dataloader: The loader to evaluate on; the configured validation loader when None.
+            dataloader: The loader, or ``{name: loader}`` for several sets (results prefixed
+                ``name/``), to evaluate on; the configured validation loader(s) when None.
 
         Raises:
             ValueError: if there is no loader to evaluate on.
         """
-        loader = dataloader if dataloader is not None else self.val_dataloader
-        if loader is None:
+        if dataloader is None and self.val_dataloader is None:
             raise ValueError("evaluate() needs a dataloader: pass one, or return a validation "
                              "loader from configure_dataloaders")
-        return self.run_validation(loader)
+        return self.run_validation(dataloader)
 
 
 def _leaves(metric: Any) -> list[Any]:

@@ -25,6 +25,7 @@ from dream_trainer.parallel.materialize import (FullTensorInit, any_rank_failed,
                                                 materialize, parameters_named)
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.trainer.schedulers import step_with_metric, takes_metric
+from dream_trainer.trainer.validation import map_loaders, named_sets
 from dream_trainer.data.loaders import prepare_loader
 from dream_trainer.world.dims import MeshAxis
 
@@ -90,7 +91,7 @@ class SetupMixin(AbstractTrainer):
         self._scheduler_names: list[str] = []
         self._unnamed_optimizers: dict[str, torch.optim.Optimizer] = {}
         self._train_loader: Iterable[Any] | None = None
-        self._val_loader: Iterable[Any] | None = None
+        self._val_loader: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None
 
     # -- user hooks ------------------------------------------------------------------------
     @abstractmethod
@@ -114,8 +115,11 @@ class SetupMixin(AbstractTrainer):
         optimizer."""
 
     @abstractmethod
-    def configure_dataloaders(self) -> tuple[Iterable[Any], Iterable[Any] | None]:
-        """Return ``(train_loader, val_loader)``; ``val_loader`` may be None."""
+    def configure_dataloaders(
+            self) -> tuple[Iterable[Any], Iterable[Any] | Mapping[str, Iterable[Any]] | None]:
+        """Return ``(train_loader, val_loader)``; ``val_loader`` may be None, or
+        ``{name: loader}`` for several validation sets (validated in turn, their results
+        and metrics prefixed ``name/``)."""
 
     def map_pretrained_key(self, model_name: str, key: str) -> str | None:
         """The model's state-dict key for ``key`` of ``init_weights_from``'s files.
@@ -423,12 +427,15 @@ class SetupMixin(AbstractTrainer):
             raise ValueError("configure_dataloaders() returned no train loader")
         params = self.config.training_parameters
         _check_batch_size(train, "train", "train_batch_size", params.train_batch_size)
-        _check_batch_size(val, "validation", "val_batch_size", params.val_batch_size)
+        for name, loader in named_sets(val).items():
+            _check_batch_size(loader, "validation" if name is None else f"validation {name!r}",
+                              "val_batch_size", params.val_batch_size)
         seed = self.config.seed if self.config.seed is not None else 0
         world = self.world
         self._train_loader = prepare_loader(train, world.dp_size, world.dp_rank, seed)
-        self._val_loader = prepare_loader(val, world.dp_size, world.dp_rank, seed,
-                                          validation=True)
+        self._val_loader = None if val is None else map_loaders(
+            val, lambda loader: prepare_loader(loader, world.dp_size, world.dp_rank, seed,
+                                               validation=True))
 
     # -- accessors ---------------------------------------------------------------------------
     def named_models(self) -> dict[str, nn.Module]:
@@ -448,7 +455,8 @@ class SetupMixin(AbstractTrainer):
         return self._train_loader
 
     @property
-    def val_dataloader(self) -> Iterable[Any] | None:
+    def val_dataloader(self) -> Iterable[Any] | Mapping[str, Iterable[Any]] | None:
+        """The validation loader, ``{name: loader}`` for several sets, or None."""
         return self._val_loader
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -81,6 +81,12 @@ class AbstractTrainer(TrainerHooks, ABC):
         a checkpoint, is taken. Overrides call ``super().end_of_step()``.
         """
 
+    def end_of_validation_set(self, result: dict[str, Any]) -> None:
+        """After the batches of each validation set (each set of a pass over several), with
+        that set's averaged results: mixins add what they computed over the set (metrics) to
+        ``result``, which is then prefixed with the set's name. Overrides call ``super()``.
+        """
+
     def teardown(self) -> None:
         """Release what holds the process group, before ``fit()`` destroys it (always runs).
 
@@ -107,8 +113,8 @@ class AbstractTrainer(TrainerHooks, ABC):
 
     @property
     @abstractmethod
-    def val_dataloader(self) -> Iterable[Any] | None:
-        """The validation data loader, or None for no validation."""
+    def val_dataloader(self) -> Iterable[Any] | Mapping[str, Iterable[Any]] | None:
+        """The validation data loader, ``{name: loader}`` for several sets, or None."""
 
     # -- user steps --------------------------------------------------------------------------
     @abstractmethod
@@ -120,7 +126,7 @@ class AbstractTrainer(TrainerHooks, ABC):
         """Compute validation values for one batch (gradients are disabled)."""
 
     @abstractmethod
-    def run_validation(self, dataloader: Iterable[Any] | None = None,
+    def run_validation(self, dataloader: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None,
                        max_batches: int | None = None) -> dict[str, float]:
         """Run one validation pass and return its averaged results."""
 
@@ -149,6 +155,13 @@ class AbstractTrainer(TrainerHooks, ABC):
         ``state_dict`` is exactly what was saved, whatever its shape: a key that the saved
         run did not have is missing here, so read keys with a default.
         """
+
+    def data_state_dict(self) -> Any | None:
+        """This rank's position in a stateful train loader, or None (see ``BaseTrainer``)."""
+        return None
+
+    def load_data_state_dict(self, states: Mapping[int, Any], saved_dp_size: int) -> None:
+        """Restore the train loader's position from every saved data-parallel rank's."""
 
     def rank_state_dict(self) -> dict[str, Any]:
         """State that differs between processes (an RNN's hidden state, a per-rank buffer):

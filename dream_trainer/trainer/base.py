@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -16,16 +14,17 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from dream_trainer.callbacks.collection import CallbackCollection
 from dream_trainer.configs.training import TrainingParameters
-from dream_trainer.data.batch import batch_size_of, move_to_device
-from dream_trainer.data.loaders import (epoch_batches, has_resumable_sampler, numbered_batches,
-                                        prepare_loader, set_sampler_epoch)
+from dream_trainer.data.batch import move_to_device
+from dream_trainer.data.loaders import has_resumable_sampler, numbered_batches
+from dream_trainer.data.stream import TrainBatches
 from dream_trainer.parallel.data_parallel import DataParallelBackend, backend_for
 from dream_trainer.parallel.grad_norm import clip_grad_norm
 from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainer, AbstractTrainerConfig, StopTraining
 from dream_trainer.trainer.item_weighting import ItemWeighting
 from dream_trainer.trainer.schedulers import takes_metric
-from dream_trainer.utils.averaging import WEIGHT_KEY, ResultAverager
+from dream_trainer.trainer.validation import ValidationLoop, check_result, stop_is_an_error
+from dream_trainer.utils.averaging import ResultAverager
 from dream_trainer.world.world import DistributedWorld
 
 logger = logging.getLogger(__name__)
@@ -40,7 +39,7 @@ class BaseTrainerConfig(AbstractTrainerConfig):
     """Callbacks whose hooks run during ``fit()``, in this order."""
 
 
-class BaseTrainer(AbstractTrainer):
+class BaseTrainer(ValidationLoop):
     """The training loop: epochs, micro-batches, accumulation, validation and callbacks.
 
     Subclasses provide models, optimizers and data (``SetupMixin``) and the two steps.
@@ -67,6 +66,7 @@ class BaseTrainer(AbstractTrainer):
         self.training = False
         self.sanity_checking = False
         self.evaluating = False
+        self.validation_set: str | None = None
         self.global_step = 0
         self.local_batches = 0
         self.current_epoch = 0
@@ -77,6 +77,7 @@ class BaseTrainer(AbstractTrainer):
         self._epoch_done = False
         self._start_batch = 0
         self._resharded = False
+        self._train_batches: TrainBatches | None = None
         super().__init__(*args, **kwargs)
         self.callbacks.attach(self)
 
@@ -90,7 +91,7 @@ class BaseTrainer(AbstractTrainer):
         """
         completed = False
         try:
-            with _stop_is_an_error("while the run is being set up, before training started"):
+            with stop_is_an_error("while the run is being set up, before training started"):
                 self._launch()
                 self._configure()
                 self._setup()
@@ -119,6 +120,7 @@ class BaseTrainer(AbstractTrainer):
         self._fire("pre_setup")
         self.setup()
         self._train_steps_per_epoch = self._plan_train_steps()
+        self._train_batches = TrainBatches(self.train_dataloader, self._samples_per_batch)
         self._fire("post_setup")
 
     def _train(self) -> None:
@@ -126,14 +128,17 @@ class BaseTrainer(AbstractTrainer):
         try:
             self._fire("pre_fit")
             self._sanity_check()
-            while self.current_epoch < self.training_parameters.n_epochs \
-                    and not self._max_steps_reached():
+            while self._epochs_left() and not self._max_steps_reached():
                 self._run_epoch()
         except StopTraining as stop:
             logger.warning("training stopped at global step %d: %s", self.global_step, stop)
         # An early end is still the end: post_fit hooks save and release resources.
-        with _stop_is_an_error("in post_fit, after training ended"):
+        with stop_is_an_error("in post_fit, after training ended"):
             self._fire("post_fit")
+
+    def _epochs_left(self) -> bool:
+        n_epochs = self.training_parameters.n_epochs
+        return n_epochs is None or self.current_epoch < n_epochs
 
     def _sanity_check(self) -> None:
         steps = self.training_parameters.num_sanity_val_steps
@@ -176,11 +181,12 @@ class BaseTrainer(AbstractTrainer):
     def _train_epoch(self) -> bool:
         """Train one epoch; return False when ``max_steps`` cut it short."""
         self._set_train_mode(True)
-        set_sampler_epoch(self.train_dataloader, self.current_epoch)
+        assert self._train_batches is not None
         start, self._start_batch = self._start_batch, 0
         self._batches_done = start
         n_batches = self._train_steps_per_epoch * self.training_parameters.gradient_accumulation_steps
-        if start and self._resharded and not has_resumable_sampler(self.train_dataloader):
+        if start and self._resharded and not (has_resumable_sampler(self.train_dataloader)
+                                              or self._train_batches.stateful):
             raise RuntimeError(
                 "cannot resume mid-epoch on a different number of data-parallel ranks: the "
                 "train loader has its own sampler, so its position cannot be converted; "
@@ -188,7 +194,7 @@ class BaseTrainer(AbstractTrainer):
             )
         # The iterator exists before pre_train_epoch: creating it draws from the global RNG,
         # and a resumed run restores the RNG after that draw.
-        batches = epoch_batches(self.train_dataloader, start, n_batches, self._samples_per_batch)
+        batches = self._train_batches.epoch(self.current_epoch, start, n_batches)
         self._fire("pre_train_epoch")
         averager = ResultAverager(self.world.device)
         for batch_idx, batch in numbered_batches(batches, start, "train"):
@@ -229,7 +235,7 @@ class BaseTrainer(AbstractTrainer):
         batch = move_to_device(batch, self.world.device)
         self._fire("pre_train_batch", batch, batch_idx)
         with self.precision.autocast():
-            result = _check_result(self.training_step(batch, batch_idx), "training_step")
+            result = check_result(self.training_step(batch, batch_idx), "training_step")
         self.local_batches += 1
         self._batches_done = batch_idx + 1
         if not self.is_accumulating_gradients:
@@ -348,83 +354,6 @@ class BaseTrainer(AbstractTrainer):
                 return scheduler
         return None
 
-    # -- validation ---------------------------------------------------------------------------------
-    def run_validation(self, dataloader: Iterable[Any] | None = None,
-                       max_batches: int | None = None) -> dict[str, float]:
-        """Run an extra validation pass now (hooks included) and return its results.
-
-        Usable from a hook during ``fit()`` and after it, in every parallel mode: outside
-        ``fit()`` the process group and mesh are started again for the pass (the models keep
-        their layout) and torn down after it. ``evaluating`` is True during the pass, so
-        training-control callbacks (``EarlyStopping``) and checkpoint ranking ignore it. A
-        ``dataloader`` given here is split across the data-parallel ranks like the
-        configured validation loader.
-
-        Args:
-            dataloader: The loader to validate on; the configured validation loader when None.
-            max_batches: Stop after this many batches (every rank runs as many).
-
-        Raises:
-            RuntimeError: if a hook raises ``StopTraining`` while no training is running.
-        """
-        if self.world.is_launched:
-            return self._evaluation(dataloader, max_batches)
-        self.world.launch()
-        try:
-            with _stop_is_an_error("during an evaluation outside fit()"):
-                return self._evaluation(dataloader, max_batches)
-        finally:
-            self.world.shutdown()
-
-    def _evaluation(self, dataloader: Iterable[Any] | None,
-                    max_batches: int | None) -> dict[str, float]:
-        if dataloader is not None:
-            seed = self.config.seed if self.config.seed is not None else 0
-            dataloader = prepare_loader(dataloader, self.world.dp_size, self.world.dp_rank,
-                                        seed, validation=True)
-        was_training, self.evaluating = self.training, True
-        try:
-            return self._validation_epoch(max_batches, dataloader)
-        finally:
-            self.evaluating = False
-            if was_training:
-                self._set_train_mode(True)
-
-    def _validation_epoch(self, max_batches: int | None,
-                          dataloader: Iterable[Any] | None = None) -> dict[str, float]:
-        loader = dataloader if dataloader is not None else self.val_dataloader
-        if loader is None:
-            return {}
-        self.training = False
-        self._set_train_mode(False)
-        self._fire("pre_val_epoch")
-        averager = ResultAverager(self.world.device)
-        with torch.no_grad():
-            for batch_idx, batch in numbered_batches(itertools.islice(loader, max_batches), 0,
-                                                     "validation"):
-                batch = move_to_device(batch, self.world.device)
-                self._fire("pre_val_batch", batch, batch_idx)
-                with self.precision.autocast():
-                    result = self.validation_step(batch, batch_idx)
-                result = _check_result(result, "validation_step")
-                averager.update(result, self._result_weight(result, batch))
-                self._fire("post_val_batch", result, batch_idx)
-        result = averager.compute()
-        for model in self.named_models().values():
-            self.data_parallel.after_validation(model)
-        self._fire("post_val_epoch", result)
-        return result
-
-    def _result_weight(self, result: Mapping[str, Any], batch: Any) -> int | torch.Tensor:
-        """How much a step's results count in the epoch's means: the step's ``num_items``
-        result, else the item count it gave ``backward``, else its batch's size."""
-        if WEIGHT_KEY in result:
-            return result[WEIGHT_KEY]  # type: ignore[no-any-return]
-        if self.training and self.item_weighting.last_num_items is not None:
-            return self.item_weighting.last_num_items
-        size = batch_size_of(batch)
-        return 1 if size is None else size
-
     # -- helpers ----------------------------------------------------------------------------------
     def _fire(self, hook: str, *args: Any) -> None:
         """Run the trainer's own hook, then every callback's, in insertion order."""
@@ -454,12 +383,16 @@ class BaseTrainer(AbstractTrainer):
                 "and that batch_size with drop_last=True does not exceed the rank's share"
             )
         if n_batches is None:
-            if params.train_steps_per_epoch is None:
+            if params.train_steps_per_epoch is not None:
+                steps = params.train_steps_per_epoch
+            elif params.n_epochs is None and params.max_steps is not None:
+                steps = params.max_steps  # one epoch reaches the step budget
+            else:
                 raise ValueError(
                     "the train dataloader has no length (an iterable dataset): set "
-                    "training_parameters.train_steps_per_epoch"
+                    "training_parameters.train_steps_per_epoch, or n_epochs=None with "
+                    "max_steps to train on the stream until the step budget"
                 )
-            steps = params.train_steps_per_epoch
         else:
             steps = n_batches // accumulation
             if steps == 0:
@@ -526,6 +459,22 @@ class BaseTrainer(AbstractTrainer):
             "callbacks": self.callbacks.state_dict(),
         }
 
+    def data_state_dict(self) -> Any | None:
+        """This rank's position in a stateful train loader (see ``TrainBatches``), or None
+        when the position is the loop's own (a ``ResumableSampler``'s) or not kept."""
+        return None if self._train_batches is None else self._train_batches.state_dict()
+
+    def load_data_state_dict(self, states: Mapping[int, Any], saved_dp_size: int) -> None:
+        """Restore the train loader's position from every saved data-parallel rank's.
+
+        Raises:
+            ValueError: if the number of data-parallel ranks changed and the loader cannot
+                re-split its position.
+        """
+        if self._train_batches is not None:
+            self._train_batches.load_state_dict(states, saved_dp_size, self.world.dp_size,
+                                                self.world.dp_rank)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned, converting the position to this topology.
 
@@ -550,24 +499,3 @@ class BaseTrainer(AbstractTrainer):
         self._resharded = int(state_dict.get("dp_size", self.world.dp_size)) != self.world.dp_size
         self.precision.load_state_dict(state_dict.get("precision", {}))
         self.callbacks.load_state_dict(state_dict.get("callbacks", {}))
-
-
-@contextlib.contextmanager
-def _stop_is_an_error(where: str) -> Iterator[None]:
-    """Turn a ``StopTraining`` raised where there is no training to stop into an error."""
-    try:
-        yield
-    except StopTraining as stop:
-        raise RuntimeError(
-            f"StopTraining was raised {where}, where it cannot stop anything: raise it only "
-            f"from the hooks that run while training (pre_fit to post_epoch): {stop}"
-        ) from stop
-
-
-def _check_result(result: Any, step_name: str) -> dict[str, Any]:
-    if not isinstance(result, Mapping):
-        raise TypeError(
-            f"{step_name} must return a dict of values (for example {{'loss': loss}}), "
-            f"got {type(result).__name__}"
-        )
-    return dict(result) if not isinstance(result, dict) else result
