@@ -57,6 +57,8 @@ def classifier() -> nn.Module:
 
 class ClassifierConfig(DreamTrainerConfig):
     lr: float = 0.1
+    two_sets: bool = False
+    """Validate on {"val": ..., "held_out": ...} instead of one loader."""
 
 
 def classifier_config(root: Path, experiment: str, device_parameters: DeviceParameters,
@@ -93,11 +95,14 @@ class ClassifierTrainer(DreamTrainer):
 
         self.accuracy = MulticlassAccuracy(num_classes=CLASSES, average="micro")
 
-    def configure_dataloaders(self) -> tuple[DataLoader[Any], DataLoader[Any]]:
+    def configure_dataloaders(self) -> tuple[DataLoader[Any], Any]:
         params = self.config.training_parameters
-        return (DataLoader(classification_set(TRAIN, seed=1), batch_size=params.train_batch_size,
-                           shuffle=True),
-                DataLoader(classification_set(VAL, seed=2), batch_size=params.val_batch_size))
+        train = DataLoader(classification_set(TRAIN, seed=1), batch_size=params.train_batch_size,
+                           shuffle=True)
+        val = DataLoader(classification_set(VAL, seed=2), batch_size=params.val_batch_size)
+        if self.config.two_sets:
+            return train, {"val": val, "held_out": held_out_loader(params.val_batch_size)}
+        return train, val
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         x, y = batch

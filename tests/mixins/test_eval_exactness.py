@@ -57,12 +57,49 @@ def test_one_process_evaluate_after_fit(tmp_path: Path) -> None:
                               "single")
 
 
+def assert_two_sets(result: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
+    """Each named set equals one process on that set, its keys prefixed with its name."""
+    sets = {"val": one_process_results(weights, classification_set(VAL, seed=2)),
+            "held_out": one_process_results(weights, classification_set(HELD_OUT, seed=3))}
+    for name in ("fit", "post_fit", "after_fit"):
+        got = result[name]
+        assert sorted(got) == sorted(f"{s}/{k}" for s in sets for k in sets[s]), name
+        for set_name, expected in sets.items():
+            key = f"{set_name}/accuracy/MulticlassAccuracy"
+            assert got[key] == expected["accuracy/MulticlassAccuracy"], (name, key)
+            assert got[f"{set_name}/val_loss"] == pytest.approx(expected["val_loss"], abs=1e-6)
+
+
+def assert_ranked_by_the_second_set(result: dict[str, Any]) -> None:
+    from dream_trainer.checkpoint import CheckpointInfo
+    from tests.scripts.evaluate_after_fit import MONITOR
+
+    scores = {step: values[MONITOR] for step, values in result["per_epoch"]}
+    infos = [CheckpointInfo.read(path) for path in sorted(Path(result["checkpoint"]).glob("step_*"))]
+    assert all(info.score == scores[info.step] for info in infos)
+    newest = max(scores)
+    best = max(scores, key=lambda step: (scores[step], step))
+    assert {info.step for info in infos} == {best, newest}  # keep_top_k=1, plus the newest
+
+
+def test_one_process_two_validation_sets(tmp_path: Path) -> None:
+    from tests.scripts.evaluate_after_fit import run
+
+    result = run(tmp_path / "runs", "two_sets_single")
+    assert_two_sets(result, final_weights(result["checkpoint"], tmp_path / "w"))
+    assert_ranked_by_the_second_set(result)
+
+
 @pytest.mark.distributed
-def test_two_ranks_ddp_fsdp_tp_equal_one_process(tmp_path: Path) -> None:
-    results, _ = run_modes(tmp_path, 2, ["ddp", "fsdp", "tp"])
+def test_two_ranks_ddp_fsdp_tp_and_two_sets_equal_one_process(tmp_path: Path) -> None:
+    results, _ = run_modes(tmp_path, 2, ["ddp", "fsdp", "tp", "two_sets"])
     for mode, result in results.items():
         weights = final_weights(result["checkpoint"], tmp_path / mode)
-        assert_equals_one_process(result, weights, mode)
+        if mode == "two_sets":
+            assert_two_sets(result, weights)
+            assert_ranked_by_the_second_set(result)
+        else:
+            assert_equals_one_process(result, weights, mode)
 
 
 @pytest.mark.distributed

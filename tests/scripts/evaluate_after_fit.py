@@ -17,6 +17,7 @@ from tests.helpers.classifier import ClassifierTrainer, classifier_config, held_
 from tests.helpers.launch import save_on_rank_zero
 
 MODES = {
+    "two_sets": DeviceParameters.DDP(),
     "ddp": DeviceParameters.DDP(),
     "fsdp": DeviceParameters.FSDP(),
     "single": DeviceParameters.SINGLE_DEVICE(),
@@ -35,6 +36,7 @@ class Evaluating(ClassifierTrainer):
         super().post_val_epoch(result)
         if not self.evaluating:
             self.fit_result = dict(result)
+            self.fit_results = [*getattr(self, "fit_results", []), (self.global_step, dict(result))]
 
     def post_fit(self) -> None:
         self.post_fit_calls += 1
@@ -44,7 +46,12 @@ class Evaluating(ClassifierTrainer):
         super().post_fit()
 
 
+MONITOR = "held_out/accuracy/MulticlassAccuracy"
+
+
 def run(root: Path, mode: str) -> dict[str, Any]:
+    if mode.startswith("two_sets"):
+        return run_two_sets(root, MODES["single" if mode.endswith("single") else "two_sets"])
     stopper = EarlyStopping(monitor="val_loss", patience=1, min_delta=1e9)
     trainer = Evaluating(classifier_config(root, mode, MODES[mode], n_epochs=2))
     trainer.callbacks.append(stopper)
@@ -53,6 +60,20 @@ def run(root: Path, mode: str) -> dict[str, Any]:
     return {"fit": trainer.fit_result, "post_fit": trainer.in_post_fit,
             "after_fit": trainer.evaluate(), "held_out": trainer.evaluate(held_out_loader()),
             "post_fit_calls": trainer.post_fit_calls, "global_step": trainer.global_step,
+            "checkpoint": str(trainer.checkpoint_dir)}
+
+
+def run_two_sets(root: Path, device_parameters: DeviceParameters) -> dict[str, Any]:
+    """Two named validation sets; checkpoints ranked by the second set's accuracy."""
+    config = classifier_config(root, "two_sets", device_parameters, n_epochs=3)
+    config = config.model_copy(update={
+        "two_sets": True,
+        "checkpoint_parameters": config.checkpoint_parameters.model_copy(update={
+            "every_n_epochs": 1, "keep_top_k": 1, "monitor": MONITOR, "mode": "max"})})
+    trainer = Evaluating(config)
+    trainer.fit()
+    return {"fit": trainer.fit_result, "per_epoch": trainer.fit_results,
+            "after_fit": trainer.evaluate(), "post_fit": trainer.in_post_fit,
             "checkpoint": str(trainer.checkpoint_dir)}
 
 
