@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from benchmarks import (checkpoint_speed, hf_load_memory, meta_init_memory, startup,
-                        step_overhead, training_memory)
+                        step_overhead, stream_resume, training_memory)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -47,6 +47,8 @@ def sections(quick: bool, lightning_python: str | None) -> dict[str, Callable[[]
         "hf_load_memory": lambda: hf_load_memory.measure(16 if quick else 1100),
         "checkpoint_speed": lambda: checkpoint_speed.measure(8 if quick else 256,
                                                              1 if quick else 5),
+        "stream_resume": lambda: stream_resume.measure(800 if quick else 40_000,
+                                                       1 if quick else 5),
         "gpu_throughput": lambda: gpu_result(quick),
     }
 
@@ -75,7 +77,8 @@ def markdown(results: dict[str, Any]) -> str:
         else:
             module = {"step_overhead": step_overhead, "startup": startup,
                       "training_memory": training_memory, "meta_init_memory": meta_init_memory,
-                      "hf_load_memory": hf_load_memory, "checkpoint_speed": checkpoint_speed}[kind]
+                      "hf_load_memory": hf_load_memory, "checkpoint_speed": checkpoint_speed,
+                      "stream_resume": stream_resume}[kind]
             lines += module.markdown(result)
     return "\n".join(lines) + "\n"
 

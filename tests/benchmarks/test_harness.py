@@ -17,7 +17,8 @@ from tests.benchmarks.test_lightning_steps import LIGHTNING_PYTHON
 from tests.helpers.launch import REPO, check, child_env
 
 SECTIONS = {"step_overhead/mlp/1", "step_overhead/mlp/2", "startup", "training_memory",
-            "meta_init_memory", "hf_load_memory", "checkpoint_speed", "gpu_throughput"}
+            "meta_init_memory", "hf_load_memory", "checkpoint_speed", "stream_resume",
+            "gpu_throughput"}
 
 
 def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> None:
@@ -41,6 +42,10 @@ def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> 
     memory = results["sections"]["training_memory"]
     assert memory["ratio_peak_above_baseline"]["median"] > 0
     assert results["sections"]["checkpoint_speed"]["ratios"]
+    stream = results["sections"]["stream_resume"]
+    assert set(stream["seconds"]) == {"10%", "90%"}
+    assert all(set(figures) == {"replay", "stateful"} and min(figures.values()) > 0
+               for figures in stream["seconds"].values())
     hf_load = results["sections"]["hf_load_memory"]
     assert all(hf_load[variant]["ratio_to_model"] > 0 and hf_load[variant]["seconds"] > 0
                for variant in ("init_weights_from", "from_pretrained"))
