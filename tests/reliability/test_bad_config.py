@@ -41,6 +41,7 @@ CASES: list[tuple[type[BaseModel], dict[str, Any], str]] = [
     # Negative or zero counts.
     (TrainingParameters, {**TRAINING, "n_epochs": -1}, "n_epochs"),
     (TrainingParameters, {**TRAINING, "n_epochs": 0}, "n_epochs"),
+    (TrainingParameters, {**TRAINING, "n_epochs": None}, "max_steps must be set"),
     (TrainingParameters, {**TRAINING, "train_batch_size": 0}, "train_batch_size"),
     (TrainingParameters, {**TRAINING, "val_batch_size": 0}, "val_batch_size"),
     (TrainingParameters, {**TRAINING, "gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
