@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from abc import abstractmethod
@@ -184,7 +185,9 @@ class SetupMixin(AbstractTrainer):
     def setup(self) -> None:
         """Parallelize, materialize and wrap the models; then optimizers, schedulers, data."""
         self._apply_parallelism()
-        self._materialize_models()
+        # A simulated rank (dream-trainer plan) materializes fake tensors: shapes, no storage.
+        with self.world.fake_mode or contextlib.nullcontext():
+            self._materialize_models()
         dims = self.world.dims
         if dims.dp_replicate > 1 and dims.dp_shard == 1:
             mesh = self.world.get_mesh(MeshAxis.DP_REPLICATE)
@@ -232,6 +235,8 @@ class SetupMixin(AbstractTrainer):
                 model.to(device)
         with FullTensorInit():
             self.init_weights()
+        if self.world.simulated:
+            return  # fake tensors hold no values to check
         bad = [entry for name, model in self.named_models().items()
                for entry in find_uninitialized(name, model)]
         if any_rank_failed(bool(bad), device):
