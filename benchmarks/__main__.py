@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import (checkpoint_speed, meta_init_memory, startup, step_overhead,
-                        training_memory)
+from benchmarks import (checkpoint_speed, meta_init_memory, plan_scale, startup,
+                        step_overhead, training_memory)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -47,6 +47,7 @@ def sections(quick: bool, lightning_python: str | None) -> dict[str, Callable[[]
         "checkpoint_speed": lambda: checkpoint_speed.measure(8 if quick else 256,
                                                              1 if quick else 5),
         "gpu_throughput": lambda: gpu_result(quick),
+        "plan_scale": lambda: plan_scale.measure(quick),
     }
 
 
@@ -74,7 +75,7 @@ def markdown(results: dict[str, Any]) -> str:
         else:
             module = {"step_overhead": step_overhead, "startup": startup,
                       "training_memory": training_memory, "meta_init_memory": meta_init_memory,
-                      "checkpoint_speed": checkpoint_speed}[kind]
+                      "checkpoint_speed": checkpoint_speed, "plan_scale": plan_scale}[kind]
             lines += module.markdown(result)
     return "\n".join(lines) + "\n"
 

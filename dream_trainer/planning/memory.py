@@ -58,6 +58,7 @@ class StepMemory(TorchDispatchMode):
         self._ids = itertools.count()
         self._live: dict[int, tuple[int, int]] = {}  # id(storage) -> (allocation, bytes)
         self._events: list[tuple[int, int]] = []  # (allocation, change in bytes)
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}  # their release callbacks
         self._original_resize: Callable[..., Any] = torch.UntypedStorage.resize_
 
     def allocation_of(self, storage: torch.UntypedStorage) -> int | None:
@@ -82,9 +83,11 @@ class StepMemory(TorchDispatchMode):
         allocation, size = next(self._ids), storage.nbytes()
         self._live[key] = (allocation, size)
         self._events.append((allocation, size))
-        weakref.finalize(storage, self._release, key, allocation)
+        self._refs[allocation] = weakref.ref(
+            storage, lambda _, key=key, allocation=allocation: self._release(key, allocation))
 
     def _release(self, key: int, allocation: int) -> None:
+        del self._refs[allocation]
         entry = self._live.get(key)
         if entry is not None and entry[0] == allocation:
             del self._live[key]
@@ -129,11 +132,15 @@ class StepMemory(TorchDispatchMode):
             # would count a collective's output twice.
             return args[0]
         out = func(*args, **(kwargs or {}))
-        # An output on an input's storage (a view, an in-place op) allocated nothing; a view
-        # of a parameter would otherwise be counted as a new tensor of its size.
-        inputs = {id(leaf.untyped_storage()) for leaf in tree_leaves((args, kwargs))
-                  if isinstance(leaf, torch.Tensor)}
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and id(leaf.untyped_storage()) not in inputs:
-                self._track_storage(leaf.untyped_storage())
+        outputs = [out] if isinstance(out, torch.Tensor) else \
+            [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+        if outputs:
+            # An output on an input's storage (a view, an in-place op) allocated nothing; a
+            # view of a parameter would otherwise be counted as a new tensor of its size.
+            inputs = {id(leaf.untyped_storage()) for leaf in tree_leaves((args, kwargs))
+                      if isinstance(leaf, torch.Tensor)}
+            for leaf in outputs:
+                storage = leaf.untyped_storage()
+                if id(storage) not in inputs:
+                    self._track_storage(storage)
         return out
