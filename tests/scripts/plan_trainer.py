@@ -65,8 +65,8 @@ class PlannedGPT(nn.Module):
 
 
 class PlanConfig(BaseTrainerConfig, SetupConfigMixin):
-    samples: int = 64
-    """Sequences in the train loader."""
+    samples: int = 2048
+    """Sequences in the train loader: one batch per rank at 1,024 data-parallel ranks."""
 
 
 class LoaderPlanTrainer(BaseTrainer, SetupMixin):
@@ -92,7 +92,7 @@ class LoaderPlanTrainer(BaseTrainer, SetupMixin):
     def configure_dataloaders(self) -> tuple[DataLoader[Any], None]:
         tokens = torch.randint(0, VOCAB, (self.config.samples, SEQ + 1),
                                generator=torch.Generator().manual_seed(0))
-        return DataLoader(TensorDataset(tokens),
+        return DataLoader(TensorDataset(tokens), drop_last=True,
                           batch_size=self.config.training_parameters.train_batch_size), None
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
