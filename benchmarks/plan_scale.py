@@ -220,10 +220,50 @@ def markdown(result: dict[str, Any]) -> list[str]:
             f"| {where}: peak RSS | {result['peak_rss_bytes'] / 2**30:.2f} GiB |"]
 
 
+LAYOUTS = {"FSDP": [], "FSDP x TP 8": ["--device_parameters.tensor_parallel", "8"]}
+
+
+def tables(models: Sequence[str] = ("1b", "8b", "70b"), sizes: Sequence[int] = (8, 64, 1024),
+           device_memory: str = "80GiB") -> str:
+    """docs/performance.md's planning tables: rank 0 of each model, layout and world size."""
+    from dream_trainer.planning.report import format_bytes, parse_size
+
+    limit = parse_size(device_memory)
+    lines = []
+    for model in models:
+        lines += [f"**{model}** ({device_memory} per GPU)", "",
+                  "| GPUs | layout | mesh | params | grads | optimizer | activations | total "
+                  "| fits | collectives per step (count, bytes) |",
+                  "|---:|---|---|---:|---:|---:|---:|---:|---|---|"]
+        for layout, overrides in LAYOUTS.items():
+            run = plan(sizes, ["--model", model, *overrides], ranks=[0])
+            for result in run["objects"]:
+                rank = result["ranks"]["0"]
+                total = sum(rank[key] for key in ("param_bytes", "grad_bytes",
+                                                  "optimizer_bytes", "activation_bytes"))
+                fits = (f"yes ({format_bytes(limit - total)} spare)" if total <= limit
+                        else f"no ({format_bytes(total - limit)} short)")
+                comms = "; ".join(f"{axis}: {t['count']}, {format_bytes(t['bytes'])}"
+                                  for axis, t in rank["collectives"].items())
+                mesh = " x ".join(f"{a}={d}" for a, d in result["mesh"].items())
+                lines.append(
+                    f"| {result['world_size']} | {layout} | {mesh} | "
+                    + " | ".join(format_bytes(rank[key]) for key in (
+                        "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"))
+                    + f" | {format_bytes(total)} | {fits} | {comms} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny shape: checks the harness")
+    parser.add_argument("--table", action="store_true",
+                        help="print docs/performance.md's planning tables instead")
     args = parser.parse_args()
+    if args.table:
+        print(tables())
+        return
     result = measure(args.quick)
     print(json.dumps({k: v for k, v in result.items() if k != "per_rank"}, indent=2))
     print("\n".join(markdown(result)))

@@ -50,7 +50,8 @@ class StepMemory(TorchDispatchMode):
     while active (and restored after). ``peak(excluding=...)`` then replays the timeline without the storages that
     are reported elsewhere (gradients, optimizer state).
 
-    DTensor ops are let through to be split into their local ops, which are recorded.
+    DTensor ops are let through to be split into their local ops, which are recorded; the
+    global-size tensors DTensor fakes to propagate shapes are not.
     """
 
     def __init__(self) -> None:
@@ -60,6 +61,8 @@ class StepMemory(TorchDispatchMode):
         self._events: list[tuple[int, int]] = []  # (allocation, change in bytes)
         self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}  # their release callbacks
         self._original_resize: Callable[..., Any] = torch.UntypedStorage.resize_
+        self._original_lock: Any = None
+        self._propagating = 0  # > 0 while DTensor propagates shapes on global-size fakes
 
     def allocation_of(self, storage: torch.UntypedStorage) -> int | None:
         """The allocation number of a storage created while tracking and still alive."""
@@ -113,6 +116,7 @@ class StepMemory(TorchDispatchMode):
             return result
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        self._watch_sharding_propagation()
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __exit__(self, *args: Any) -> None:
@@ -120,6 +124,32 @@ class StepMemory(TorchDispatchMode):
             super().__exit__(*args)
         finally:
             torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+            if self._original_lock is not None:
+                from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+                ShardingPropagator._fake_mode_lock = self._original_lock
+
+    def _watch_sharding_propagation(self) -> None:
+        """DTensor works out each op's output shape by running it on global-size tensors in
+        the active fake mode, which here is the plan's: those tensors are metadata, not this
+        rank's memory (on a GPU they are fake too). DTensor enters the class attribute
+        ``_fake_mode_lock`` (a ``nullcontext`` unless tests make it a lock) around exactly
+        that, so it is wrapped to mark the span."""
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        lock = self._original_lock = ShardingPropagator._fake_mode_lock
+        tracker = self
+
+        class _Propagating:
+            def __enter__(self) -> None:
+                lock.__enter__()
+                tracker._propagating += 1
+
+            def __exit__(self, *args: Any) -> None:
+                tracker._propagating -= 1
+                lock.__exit__(*args)
+
+        ShardingPropagator._fake_mode_lock = _Propagating()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -132,6 +162,8 @@ class StepMemory(TorchDispatchMode):
             # would count a collective's output twice.
             return args[0]
         out = func(*args, **(kwargs or {}))
+        if self._propagating:
+            return out
         outputs = [out] if isinstance(out, torch.Tensor) else \
             [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
         if outputs:

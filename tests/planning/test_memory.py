@@ -74,3 +74,27 @@ def test_activations_of_a_single_device_step_match_torchs_mem_tracker() -> None:
     # micro-batch, which MemTracker does not see: 1 % covers that.
     assert plan.activation_bytes == pytest.approx(expected, rel=0.01)
     assert plan.param_bytes == peak[_MemRefType.PARAM]
+
+
+def test_dtensor_shape_propagation_on_global_fakes_is_not_this_ranks_memory() -> None:
+    """DTensor runs each op once on global-size fake tensors to learn the output's shape; in
+    a plan that happens in the plan's own fake mode, and must not count."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dream_trainer.configs import DeviceParameters
+    from dream_trainer.world import DistributedWorld, LaunchEnvironment
+
+    env = LaunchEnvironment(rank=5, world_size=1024, local_world_size=8, launched=True,
+                            backend="fake")
+    world = DistributedWorld(DeviceParameters(dp_shard="auto", device="cpu"), env)
+    world.launch()
+    try:
+        assert world.fake_mode is not None and world.mesh is not None
+        with world.fake_mode:
+            weight = distribute_tensor(torch.empty(4096, 4096), world.mesh, [Shard(0)])
+            with StepMemory() as memory:
+                doubled = weight * 2  # 64 MiB globally, 64 KiB on this rank
+        assert doubled.to_local().untyped_storage().nbytes() == 4 * 4096 * 4
+        assert memory.peak() == 4 * 4096 * 4
+    finally:
+        world.shutdown()

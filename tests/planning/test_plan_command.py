@@ -123,3 +123,12 @@ def test_a_rank_outside_the_world_is_an_error_of_that_size(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", TARGET, "--world-size", "8", "--rank", "8", "--json"]) == 1
     assert "rank 8 is outside a world of 8 ranks" in capsys.readouterr().err
+
+
+def test_code_that_reads_tensor_values_is_named_as_what_plan_cannot_simulate(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", TARGET, "--world-size", "8", "--json", "--", "--print_loss", "true"]) == 1
+    err = capsys.readouterr().err
+    assert ("world size 8: rank 0 cannot be planned: the trainer reads a tensor's values "
+            "(aten._local_scalar_dense.default: .item()") in err
+    assert "skip that code when self.world.simulated is True" in err

@@ -67,6 +67,8 @@ class PlannedGPT(nn.Module):
 class PlanConfig(BaseTrainerConfig, SetupConfigMixin):
     samples: int = 2048
     """Sequences in the train loader: one batch per rank at 1,024 data-parallel ranks."""
+    print_loss: bool = False
+    """Print the loss in ``training_step`` (a value a plan's fake tensors do not have)."""
 
 
 class LoaderPlanTrainer(BaseTrainer, SetupMixin):
@@ -100,6 +102,8 @@ class LoaderPlanTrainer(BaseTrainer, SetupMixin):
         logits = self.model(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
         self.backward(loss)
+        if self.config.print_loss:
+            print(f"loss {loss.item():.3f}")
         if not self.is_accumulating_gradients:
             self.step(self.model, self.optimizer)
         return {"loss": loss}
