@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from typing import Any
 
 from pydantic import ValidationError
@@ -55,12 +56,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         elif args.json:
             print(json.dumps(to_json(plan, device_memory)), flush=True)
         plans.append(plan)
-    if not args.json:
-        ranks = " ".join(str(rank) for rank in args.rank or (0, -1))
+    if not args.json and any(plan.ranks for plan in plans):
+        ranks = " ".join(map(str, args.rank)) if args.rank else "0 and the last"
         print(f"plan of {args.target}: ranks {ranks} of each world size simulated on torch's "
               "fake backend, one optimizer step each")
         print(table(plans, device_memory))
-        print(f"\n{MEASURED}")
+        print("\n" + textwrap.fill(MEASURED, width=100))
     too_big = any(plan.fits(device_memory) is False for plan in plans)
     return 1 if failed or too_big else 0
 
