@@ -58,8 +58,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         plans.append(plan)
     if not args.json and any(plan.ranks for plan in plans):
         ranks = " ".join(map(str, args.rank)) if args.rank else "0 and the last"
+        first = next(rank for plan in plans for rank in plan.ranks.values())
         print(f"plan of {args.target}: ranks {ranks} of each world size simulated on torch's "
-              "fake backend, one optimizer step each")
+              f"fake backend, one optimizer step each ({first.micro_batches} micro-batch"
+              f"{'es' if first.micro_batches > 1 else ''} from {first.batch_source})")
         print(table(plans, device_memory))
         print("\n" + textwrap.fill(MEASURED, width=100))
     too_big = any(plan.fits(device_memory) is False for plan in plans)

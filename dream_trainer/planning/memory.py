@@ -47,8 +47,8 @@ class StepMemory(TorchDispatchMode):
     Each op's outputs are recorded with their storage size, and each storage's release is
     recorded when Python frees it. FSDP2 allocates and frees unsharded parameters by resizing
     their storage, which no dispatch mode sees, so ``UntypedStorage.resize_`` is wrapped
-    while active (and restored after). ``peak(excluding=...)`` then replays the timeline without the storages that
-    are reported elsewhere (gradients, optimizer state).
+    while active (and restored after). ``peak(excluding=...)`` then replays the timeline
+    without the storages that are reported elsewhere (gradients, optimizer state).
 
     DTensor ops are let through to be split into their local ops, which are recorded; the
     global-size tensors DTensor fakes to propagate shapes are not.

@@ -64,7 +64,8 @@ def test_a_device_too_small_is_reported_with_the_shortfall_and_exit_status_1(
     assert main(["plan", TARGET, "--world-size", "8", "--rank", "3",
                  "--device-memory", "64KiB"]) == 1
     out = capsys.readouterr().out
-    assert "ranks 3 of each world size simulated on torch's fake backend" in out
+    assert ("ranks 3 of each world size simulated on torch's fake backend, one optimizer step "
+            "each (1 micro-batch from plan_batch())") in out
     header, row = out.splitlines()[2:4]
     assert header.split()[:3] == ["world", "size", "mesh"] and "fits in 64 KiB" in header
     assert row.split()[:3] == ["8", "dp_shard=8", "128"]  # 2,048 samples / 8 ranks / batch 2
@@ -93,6 +94,7 @@ def test_a_loader_too_small_for_1024_ranks_is_the_error_setup_raises(
                    "--rank", "-1", "--", "--samples", "64"])
     captured = capsys.readouterr()
     assert status == 1
+    assert "(1 micro-batch from the train loader)" in captured.out
     assert ("world size 1024: rank 1023 would fail with ValueError: the train dataloader is "
             "empty (0 batches on this rank)") in captured.err
     assert "world size 8:" not in captured.err
@@ -132,3 +134,10 @@ def test_code_that_reads_tensor_values_is_named_as_what_plan_cannot_simulate(
     assert ("world size 8: rank 0 cannot be planned: the trainer reads a tensor's values "
             "(aten._local_scalar_dense.default: .item()") in err
     assert "skip that code when self.world.simulated is True" in err
+
+
+def test_a_plan_batch_of_the_wrong_size_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", TARGET, "--world-size", "8", "--", "--plan_rows", "3"]) == 1
+    assert ("rank 0 would fail with ValueError: plan_batch() returned a tensor of shape "
+            f"(3, {SEQ + 1}), whose first dimension is not train_batch_size={BATCH}") \
+        in capsys.readouterr().err

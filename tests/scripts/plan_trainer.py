@@ -67,6 +67,8 @@ class PlannedGPT(nn.Module):
 class PlanConfig(BaseTrainerConfig, SetupConfigMixin):
     samples: int = 2048
     """Sequences in the train loader: one batch per rank at 1,024 data-parallel ranks."""
+    plan_rows: int | None = None
+    """Rows of ``plan_batch()``'s tensors; ``None``: ``train_batch_size``, as it should be."""
     print_loss: bool = False
     """Print the loss in ``training_step`` (a value a plan's fake tensors do not have)."""
 
@@ -114,8 +116,8 @@ class LoaderPlanTrainer(BaseTrainer, SetupMixin):
 
 class PlanTrainer(LoaderPlanTrainer):
     def plan_batch(self) -> tuple[torch.Tensor]:
-        return (torch.randint(0, VOCAB, (self.config.training_parameters.train_batch_size,
-                                         SEQ + 1)),)
+        rows = self.config.plan_rows or self.config.training_parameters.train_batch_size
+        return (torch.randint(0, VOCAB, (rows, SEQ + 1)),)
 
 
 def config(args: Sequence[str] | None) -> PlanConfig:
