@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,3 +142,23 @@ def test_a_plan_batch_of_the_wrong_size_is_refused(capsys: pytest.CaptureFixture
     assert ("rank 0 would fail with ValueError: plan_batch() returned a tensor of shape "
             f"(3, {SEQ + 1}), whose first dimension is not train_batch_size={BATCH}") \
         in capsys.readouterr().err
+
+
+def test_summarize_and_plan_set_the_trainer_up_through_set_up(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from dream_trainer import BaseTrainer
+
+    calls: list[int] = []
+    original = BaseTrainer.set_up
+
+    def counted(self: BaseTrainer) -> None:
+        calls.append(self.world.world_size)
+        original(self)
+
+    monkeypatch.setattr(BaseTrainer, "set_up", counted)
+    monkeypatch.chdir(tmp_path)  # the CLI script's outputs would default to ./outputs
+    assert main(["summarize", f"{REPO / 'tests' / 'scripts' / 'cli_trainer.py'}:make_trainer"]) == 0
+    assert main(["plan", TARGET, "--world-size", "16", "--json"]) == 0
+    capsys.readouterr()
+    assert calls == [1, 16, 16]  # summarize's world, then plan's ranks 0 and 15
