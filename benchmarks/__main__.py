@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import (checkpoint_speed, hf_load_memory, meta_init_memory, startup,
+from benchmarks import (checkpoint_speed, hf_load_memory, meta_init_memory, plan_scale, startup,
                         step_overhead, stream_resume, training_memory)
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -50,6 +50,7 @@ def sections(quick: bool, lightning_python: str | None) -> dict[str, Callable[[]
         "stream_resume": lambda: stream_resume.measure(800 if quick else 40_000,
                                                        1 if quick else 5),
         "gpu_throughput": lambda: gpu_result(quick),
+        "plan_scale": lambda: plan_scale.measure(quick),
     }
 
 
@@ -78,7 +79,7 @@ def markdown(results: dict[str, Any]) -> str:
             module = {"step_overhead": step_overhead, "startup": startup,
                       "training_memory": training_memory, "meta_init_memory": meta_init_memory,
                       "hf_load_memory": hf_load_memory, "checkpoint_speed": checkpoint_speed,
-                      "stream_resume": stream_resume}[kind]
+                      "stream_resume": stream_resume, "plan_scale": plan_scale}[kind]
             lines += module.markdown(result)
     return "\n".join(lines) + "\n"
 

@@ -109,7 +109,7 @@ class ProgressBar(RankZeroCallback):
     def pre_fit(self) -> None:
         self._stop_live()  # a display left by a fit() that failed in a hook of ours
         params = self.trainer.training_parameters
-        self._steps_per_epoch = self.trainer._train_steps_per_epoch
+        self._steps_per_epoch = self.trainer.train_steps_per_epoch
         self._total_steps = planned_optimizer_steps(params, self._steps_per_epoch)
         needed = math.ceil(self._total_steps / self._steps_per_epoch)
         self._total_epochs = needed if params.n_epochs is None else min(params.n_epochs, needed)

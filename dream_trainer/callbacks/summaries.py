@@ -149,7 +149,7 @@ class TrainerSummary(RankZeroCallback):
         params = trainer.training_parameters
         device = trainer.config.device_parameters
         dims = trainer.world.dims
-        steps_per_epoch = trainer._train_steps_per_epoch
+        steps_per_epoch = trainer.train_steps_per_epoch
         self.summary = {
             "world_size": trainer.world.world_size,
             "device": str(trainer.world.device),

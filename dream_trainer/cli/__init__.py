@@ -1,9 +1,9 @@
 """The ``dream-trainer`` command line (also ``python -m dream_trainer``).
 
-``summarize``, ``benchmark``, ``profile`` and ``find-graph-breaks`` take a TARGET naming the
-user's trainer factory (``path/to/script.py:NAME`` or ``package.module:NAME``) followed by
-config overrides for it;
-``export`` turns a checkpoint into safetensors files. See ``docs/cli.md``.
+``summarize``, ``benchmark``, ``profile``, ``plan`` and ``find-graph-breaks`` take a TARGET
+naming the user's trainer factory (``path/to/script.py:NAME`` or ``package.module:NAME``)
+followed by config overrides for it; ``export`` turns a checkpoint into safetensors files.
+See ``docs/cli.md``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from dream_trainer.cli import benchmark, export, find_graph_breaks, profile, summarize
+from dream_trainer.cli import benchmark, export, find_graph_breaks, plan, profile, summarize
 from dream_trainer.cli.target import TargetError
 
 __all__ = ["build_parser", "main"]
@@ -39,10 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dream-trainer", allow_abbrev=False, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Inspect, time, profile and compile-check a dream_trainer trainer; export "
-                    "checkpoints.")
+        description="Inspect, time, profile, plan and compile-check a dream_trainer trainer; "
+                    "export checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (summarize, benchmark, profile, find_graph_breaks, export):
+    for command in (summarize, benchmark, profile, plan, find_graph_breaks, export):
         subparser = command.add_parser(commands)
         if subparser.get_default("takes_overrides"):
             usage = " ".join(subparser.format_usage().split()[1:])

@@ -55,7 +55,6 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
               "python, not torchrun", file=sys.stderr)
         return 2
     with sandboxed(trainer):
-        # TODO(lead): use the public trainer.set_up() once it lands on main.
         with set_up(trainer):
             reports = _explain_blocks(trainer)
     _print(reports)

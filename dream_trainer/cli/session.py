@@ -24,7 +24,8 @@ class Sandbox(Callback[BaseTrainer]):
     """Point the trainer's checkpoints at a temporary directory and turn its logging off.
 
     At ``pre_configure``, once the process group exists, rank 0 creates the directory and
-    every rank receives its name, so that a multi-rank checkpoint lands in one place. The
+    every rank receives its name, so that a multi-rank checkpoint lands in one place (a
+    simulated rank creates its own). The
     trainer's config is replaced by a copy in which every ``CheckpointParameters`` field
     writes there, with no periodic saves and no resume, every ``LoggingParameters`` field is
     disabled (no local files, no wandb run), and ``TrainingParameters`` get ``training``.
@@ -40,9 +41,11 @@ class Sandbox(Callback[BaseTrainer]):
 
     @override
     def pre_configure(self) -> None:
-        holder = [tempfile.mkdtemp(prefix="dream-trainer-") if self.trainer.world.is_rank_zero
-                  else None]
-        if self.trainer.world.world_size > 1:
+        world = self.trainer.world
+        # A simulated rank is alone in its process: the fake backend would broadcast nothing.
+        holder = [tempfile.mkdtemp(prefix="dream-trainer-")
+                  if world.is_rank_zero or world.simulated else None]
+        if world.world_size > 1 and not world.simulated:
             dist.broadcast_object_list(holder, src=0)
         self.directory = Path(holder[0])  # type: ignore[arg-type]
         self.trainer.config = _redirected(self.trainer.config, self.directory, self.training)
@@ -92,16 +95,14 @@ def train_steps(trainer: BaseTrainer, steps: int, *callbacks: Callback[Any]) -> 
 
 @contextmanager
 def set_up(trainer: BaseTrainer) -> Iterator[None]:
-    """``fit()`` up to the end of setup, its hooks included, without training.
+    """``trainer.set_up()`` for the duration of the block.
 
     The process group is torn down afterwards exactly as ``fit()`` tears it down, also when
-    the block raises.
+    ``set_up()`` or the block raises.
     """
     completed = False
     try:
-        trainer._launch()
-        trainer._configure()
-        trainer._setup()
+        trainer.set_up()
         yield
         completed = True
     finally:

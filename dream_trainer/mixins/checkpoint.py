@@ -82,11 +82,11 @@ class CheckpointMixin(AbstractTrainer):
     def post_setup(self) -> None:
         # DCP's own collectives run on a separate gloo group: an async save in a background
         # thread on the training group would interleave with training collectives.
-        self._checkpoint_group = dist.new_group(backend="gloo")
+        self._checkpoint_group = self.world.new_group("gloo")
         if self.world.world_size > 1:
             # Ranks agree on preemption through a group of its own (see PreemptionAgreement).
             self._preemption_agreement = PreemptionAgreement(
-                self._preemption, dist.new_group(backend="gloo"))
+                self._preemption, self.world.new_group("gloo"))
         if self.checkpoint_parameters.enabled:
             self._take_lock()
             self._resume()

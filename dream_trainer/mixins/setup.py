@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import warnings
@@ -283,7 +284,9 @@ class SetupMixin(AbstractTrainer):
     def setup(self) -> None:
         """Parallelize, materialize and wrap the models; then optimizers, schedulers, data."""
         self._apply_parallelism()
-        self._materialize_models()
+        # A simulated rank (dream-trainer plan) materializes fake tensors: shapes, no storage.
+        with self.world.fake_mode or contextlib.nullcontext():
+            self._materialize_models()
         dims = self.world.dims
         if dims.dp_replicate > 1 and dims.dp_shard == 1:
             mesh = self.world.get_mesh(MeshAxis.DP_REPLICATE)
@@ -335,6 +338,8 @@ class SetupMixin(AbstractTrainer):
             loaded += parameters_named(model, names)
         with FullTensorInit(skip=loaded):
             self.init_weights()
+        if self.world.simulated:
+            return  # fake tensors hold no values to check, nor any to load
         # The parameters left for the pretrained weights still hold NaN; the load sets every
         # one of them or raises.
         bad = [entry for name, model in self.named_models().items()

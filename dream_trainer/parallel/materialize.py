@@ -49,7 +49,9 @@ class FullTensorInit(TorchFunctionMode):
             or getattr(func, "__module__", None) == "torch.nn.init"
         if is_initializer and id(target) in self._skip:
             return target
-        if not (is_initializer and is_dtensor(target)):
+        # A fake tensor (dream-trainer plan) has no values: splitting a full-size fake tensor
+        # into its shards would cost time for nothing.
+        if not (is_initializer and is_dtensor(target)) or _is_fake(target.to_local()):
             return func(*args, **kwargs)
         from torch.distributed.tensor import distribute_tensor  # loaded: target is one
 
@@ -64,6 +66,12 @@ class FullTensorInit(TorchFunctionMode):
         with torch.no_grad():
             local.copy_(shard)
         return target
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(tensor)
 
 
 def has_meta_tensors(module: nn.Module) -> bool:

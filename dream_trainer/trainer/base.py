@@ -91,10 +91,7 @@ class BaseTrainer(ValidationLoop):
         """
         completed = False
         try:
-            with stop_is_an_error("while the run is being set up, before training started"):
-                self._launch()
-                self._configure()
-                self._setup()
+            self.set_up()
             self._train()
             completed = True
         except BaseException as exc:
@@ -105,6 +102,19 @@ class BaseTrainer(ValidationLoop):
                 self.teardown()
             finally:
                 self.world.shutdown(graceful=completed)
+
+    def set_up(self) -> None:
+        """Launch, configure and set up exactly as ``fit()`` does before training.
+
+        Afterwards the process group, the mesh, the (parallelized, materialized) models, the
+        optimizers, the schedulers and the loaders exist, and the hooks up to ``post_setup``
+        have run. The caller owns what was created: release it as ``fit()`` does, with
+        ``teardown()`` and then ``world.shutdown()``, in a ``finally`` (also when this raises).
+        """
+        with stop_is_an_error("while the run is being set up, before training started"):
+            self._launch()
+            self._configure()
+            self._setup()
 
     def _launch(self) -> None:
         self._fire("pre_launch")
@@ -168,6 +178,11 @@ class BaseTrainer(ValidationLoop):
     @property
     def training_parameters(self) -> TrainingParameters:
         return self.config.training_parameters
+
+    @property
+    def train_steps_per_epoch(self) -> int:
+        """Optimizer steps in each epoch, as agreed by every rank during setup (0 before)."""
+        return self._train_steps_per_epoch
 
     @property
     def is_accumulating_gradients(self) -> bool:
@@ -243,6 +258,36 @@ class BaseTrainer(ValidationLoop):
             self.global_step += 1
         averager.update(result, self._result_weight(result, batch))
         self._fire("post_train_batch", result, batch_idx)
+
+    def run_optimizer_step(self, batches: Iterable[Any]) -> None:
+        """Train on one accumulation window outside the epoch loop, after ``set_up()``.
+
+        Each micro-batch takes the path an epoch gives it (gradient sync, device placement,
+        autocast, ``training_step``, the train-batch hooks, the counters); what follows a step
+        in an epoch (validation, checkpoints) does not run. For tools that drive single steps,
+        such as ``dream-trainer plan``.
+
+        Args:
+            batches: ``gradient_accumulation_steps`` micro-batches, as the train loader
+                yields them.
+
+        Raises:
+            ValueError: if ``batches`` holds another number of micro-batches.
+        """
+        window = list(batches)
+        accumulation = self.training_parameters.gradient_accumulation_steps
+        if len(window) != accumulation:
+            raise ValueError(
+                f"run_optimizer_step() got {len(window)} micro-batches but one optimizer step "
+                f"takes gradient_accumulation_steps={accumulation}"
+            )
+        self._set_train_mode(True)
+        try:
+            averager = ResultAverager(self.world.device)
+            for batch_idx, batch in enumerate(window):
+                self._train_batch(batch, batch_idx, averager)
+        finally:
+            self._set_train_mode(False)
 
     def _after_optimizer_step(self) -> bool:
         """Run what follows an optimizer step; return True to end the epoch early."""

@@ -19,6 +19,9 @@ class MeshAxis(str, Enum):
     TP = "tp"
     DP = "dp"
     """Flattened dp_replicate x dp_shard view, present when both are > 1."""
+    DP_SHARD_TP = "dp_shard_tp"
+    """Flattened dp_shard x tp view, present when both are > 1: FSDP2 x TP parameters and
+    gradients are sharded over both, and reduce over it in one collective."""
 
     def __str__(self) -> str:
         return self.value

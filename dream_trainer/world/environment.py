@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+
+_ACTIVE: ContextVar[LaunchEnvironment | None] = ContextVar("dream_trainer_launch_environment",
+                                                          default=None)
 
 
 @dataclass(frozen=True)
@@ -18,6 +23,9 @@ class LaunchEnvironment:
         local_world_size: Number of processes on this node.
         launched: True when a launcher set ``RANK``/``WORLD_SIZE`` (torchrun, SLURM wrappers).
         restart_count: How many times torchrun has restarted this worker group.
+        backend: The process-group backend to create; ``None`` picks gloo on the CPU and
+            nccl on CUDA. ``"fake"`` simulates this rank of a larger job in one process:
+            collectives return at once and move no data (``dream-trainer plan``).
     """
 
     rank: int = 0
@@ -26,6 +34,27 @@ class LaunchEnvironment:
     local_world_size: int = 1
     launched: bool = False
     restart_count: int = 0
+    backend: str | None = None
+
+    @classmethod
+    def current(cls) -> LaunchEnvironment:
+        """The environment activated by the innermost ``activate()`` block, else
+        ``from_environ()``: what a ``DistributedWorld`` built without one reads."""
+        active = _ACTIVE.get()
+        return active if active is not None else cls.from_environ()
+
+    @contextmanager
+    def activate(self) -> Iterator[LaunchEnvironment]:
+        """Within the block, worlds constructed without an explicit environment (those of
+        trainers built by a factory) read this one instead of the launcher's variables.
+
+        Nothing is written to ``os.environ``; the previous environment is back on exit.
+        """
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnvironment:

@@ -6,6 +6,7 @@ import itertools
 import logging
 import random
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from dream_trainer.configs.device import DeviceParameters
 from dream_trainer.world.dims import MeshAxis, ParallelDims
 from dream_trainer.world.environment import LaunchEnvironment, set_flight_recorder_entries
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +28,6 @@ logger = logging.getLogger(__name__)
 # and the launch; every rank restarts and launches the same number of times.
 _LAUNCH_COUNTER = itertools.count()
 
-_SHARD_TP = f"{MeshAxis.DP_SHARD.value}_{MeshAxis.TP.value}"
 
 
 class DistributedWorld:
@@ -37,7 +40,8 @@ class DistributedWorld:
 
     Args:
         device_parameters: The configured mesh degrees, device and timeouts.
-        env: The launcher environment; read from ``os.environ`` when omitted.
+        env: The launcher environment; when omitted, the one activated by
+            ``LaunchEnvironment.activate()``, else read from ``os.environ``.
 
     Raises:
         MeshMismatchError: if the degrees cannot multiply to the world size.
@@ -46,11 +50,12 @@ class DistributedWorld:
 
     def __init__(self, device_parameters: DeviceParameters,
                  env: LaunchEnvironment | None = None) -> None:
-        self.env = env if env is not None else LaunchEnvironment.from_environ()
+        self.env = env if env is not None else LaunchEnvironment.current()
         self.device_parameters = device_parameters
         self.dims = ParallelDims.resolve(device_parameters, self.env.world_size)
         self.device = self._pick_device(device_parameters.device, self.env.local_rank)
         self.mesh: DeviceMesh | None = None
+        self.fake_mode: FakeTensorMode | None = None
         self._flat_meshes: dict[MeshAxis, DeviceMesh] = {}
         self._owns_process_group = False
         self._anomaly_before: bool | None = None
@@ -82,8 +87,18 @@ class DistributedWorld:
 
     @property
     def backend(self) -> str:
-        """gloo on the CPU; nccl for CUDA tensors with gloo kept for CPU-side collectives."""
+        """The environment's backend if it names one; else gloo on the CPU, and nccl for CUDA
+        tensors with gloo kept for CPU-side collectives."""
+        if self.env.backend is not None:
+            return self.env.backend
         return "cuda:nccl,cpu:gloo" if self.device.type == "cuda" else "gloo"
+
+    @property
+    def simulated(self) -> bool:
+        """True when this process simulates one rank of the job on torch's "fake" backend
+        (``dream-trainer plan``): collectives move no data and, once launched, ``fake_mode``
+        makes model tensors fake (shapes and dtypes without storage)."""
+        return self.env.backend == "fake"
 
     @property
     def is_launched(self) -> bool:
@@ -144,7 +159,11 @@ class DistributedWorld:
             if self.device_parameters.flight_recorder_entries is not None:
                 set_flight_recorder_entries(self.device_parameters.flight_recorder_entries)
             timeout = self.device_parameters.init_timeout
-            if self.env.launched:
+            if self.simulated:
+                # No store: torch's fake backend makes its own, and no peer will ever join.
+                dist.init_process_group("fake", rank=self.rank, world_size=self.world_size,
+                                        timeout=timeout)
+            elif self.env.launched:
                 store, rank, world_size = next(
                     dist.rendezvous("env://", self.rank, self.world_size, timeout=timeout))
                 store.set_timeout(timeout)
@@ -162,6 +181,11 @@ class DistributedWorld:
                 f"environment says {self.world_size}"
             )
         self._build_mesh()
+        if self.simulated:
+            # Created after the mesh: DeviceMesh computes coordinates from real tensors.
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def _build_mesh(self) -> None:
         axes = self.dims.mesh_axes()
@@ -179,7 +203,9 @@ class DistributedWorld:
             # Parameters and gradients of FSDP2 x TP are sharded over both axes: with a
             # flattened mesh registered, DTensor gathers and reduces them (the gradient norm,
             # full_tensor()) in one collective instead of one per axis (and stops warning).
-            self.mesh[(MeshAxis.DP_SHARD.value, MeshAxis.TP.value)]._flatten(_SHARD_TP)
+            shard_tp = self.mesh[(MeshAxis.DP_SHARD.value, MeshAxis.TP.value)]
+            self._flat_meshes[MeshAxis.DP_SHARD_TP] = shard_tp._flatten(
+                MeshAxis.DP_SHARD_TP.value)
 
     def seed(self, seed: int | None) -> None:
         """Seed python, numpy and torch (every device) with the same seed on every rank.
@@ -210,6 +236,16 @@ class DistributedWorld:
         for group in groups:
             _set_pg_timeout(timeout, group)
 
+    def new_group(self, backend: str = "gloo") -> dist.ProcessGroup:
+        """A new process group over every rank, for traffic kept apart from training's
+        (checkpoint I/O, agreements between ranks). A simulated world's is fake too.
+
+        Every rank must call it, in the same order, after ``launch()``.
+        """
+        group = dist.new_group(backend="fake" if self.simulated else backend)
+        assert group is not None  # every rank is a member
+        return group
+
     def barrier(self) -> None:
         if self.is_launched and self.world_size > 1:
             dist.barrier()
@@ -223,6 +259,7 @@ class DistributedWorld:
                 the peers may never arrive, so the barrier is skipped.
         """
         self.mesh = None
+        self.fake_mode = None
         self._flat_meshes.clear()
         if self._anomaly_before is not None:
             torch.autograd.set_detect_anomaly(self._anomaly_before)

@@ -18,7 +18,7 @@ from tests.helpers.launch import REPO, check, child_env
 
 SECTIONS = {"step_overhead/mlp/1", "step_overhead/mlp/2", "startup", "training_memory",
             "meta_init_memory", "hf_load_memory", "checkpoint_speed", "stream_resume",
-            "gpu_throughput"}
+            "gpu_throughput", "plan_scale"}
 
 
 def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> None:
@@ -52,7 +52,12 @@ def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> 
     # Without a GPU the last recorded GPU run is reported, with the device it ran on.
     gpu = results["sections"]["gpu_throughput"]
     assert gpu is None or "device" in gpu
+    plan = results["sections"]["plan_scale"]
+    assert plan["mesh"] == {"dp_shard": 128, "tp": 8} and plan["ranks"] == [0, 1023]
+    assert plan["peak_rss_bytes"] > 0 and plan["seconds"] > 0
+    assert all(rank["param_bytes"] > 0 for rank in plan["per_rank"].values())
     table = (tmp_path / "results.md").read_text().splitlines()
     assert table[:2] == ["| Benchmark | Figure |", "|---|---|"]
     assert any("BaseTrainer / hand-written" in row for row in table)
     assert any("import dream_trainer" in row for row in table)
+    assert any("dream-trainer plan" in row and "peak RSS" in row for row in table)

@@ -1,0 +1,164 @@
+"""``dream-trainer plan`` as a user runs it: JSON, tables, fits, and errors at a size.
+
+Commands run in this process through ``main([...])``: each simulated rank creates its fake
+process group and destroys it before the next, so the suite's leak guard sees none.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from dream_trainer.cli import main
+from tests.helpers.launch import REPO
+from tests.scripts.plan_trainer import BATCH, DIM, HEAD_DIM, SEQ
+
+SCRIPT = REPO / "tests" / "scripts" / "plan_trainer.py"
+TARGET = f"{SCRIPT}:make_trainer"
+FSDP_TP = ["--", "--device_parameters",
+           '{"dp_replicate": 1, "dp_shard": "auto", "tensor_parallel": 4}']
+
+
+@pytest.fixture(autouse=True)
+def _restore_imports(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Loading a TARGET puts its directory on sys.path and its module in sys.modules."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.startswith("dream_trainer_target_"):
+            del sys.modules[name]
+
+
+def test_json_has_the_contracts_keys_per_world_size_and_says_whether_it_fits(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", TARGET, "--world-size", "8,64", "--json",
+                 "--device-memory", "80GiB", *FSDP_TP]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    plans = [json.loads(line) for line in lines]
+    assert [plan["world_size"] for plan in plans] == [8, 64]
+    assert [plan["mesh"] for plan in plans] == [{"dp_shard": 2, "tp": 4}, {"dp_shard": 16, "tp": 4}]
+    for plan in plans:
+        assert set(plan) == {"world_size", "mesh", "ranks", "fits"}
+        assert plan["fits"] is True
+        assert set(plan["ranks"]) == {"0", str(plan["world_size"] - 1)}
+        for figures in plan["ranks"].values():
+            assert set(figures) == {"param_bytes", "grad_bytes", "optimizer_bytes",
+                                    "activation_bytes", "collectives"}
+            assert all(type(figures[key]) is int and figures[key] > 0 for key in
+                       ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"))
+            assert set(figures["collectives"]) == {"dp_shard", "tp", "dp_shard_tp"}  # norm: flattened
+            for traffic in figures["collectives"].values():
+                assert set(traffic) == {"count", "bytes"} and traffic["count"] > 0
+    # Eight times the FSDP degree: each rank holds far less (padding keeps it above an eighth).
+    assert plans[0]["ranks"]["0"]["param_bytes"] > 4 * plans[1]["ranks"]["0"]["param_bytes"]
+
+
+def test_a_device_too_small_is_reported_with_the_shortfall_and_exit_status_1(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", TARGET, "--world-size", "8", "--rank", "3",
+                 "--device-memory", "64KiB"]) == 1
+    out = capsys.readouterr().out
+    assert ("ranks 3 of each world size simulated on torch's fake backend, one optimizer step "
+            "each (1 micro-batch from plan_batch())") in out
+    header, row = out.splitlines()[2:4]
+    assert header.split()[:3] == ["world", "size", "mesh"] and "fits in 64 KiB" in header
+    assert row.split()[:3] == ["8", "dp_shard=8", "128"]  # 2,048 samples / 8 ranks / batch 2
+    assert "no, " in row and " short" in row
+    assert "Not measured: time, bandwidth" in " ".join(out.split())
+
+
+def test_heads_not_divisible_by_tp_16_fail_as_the_real_run_would(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["plan", TARGET, "--world-size", "64,1024", "--json", "--", "--device_parameters",
+                   '{"dp_replicate": 1, "dp_shard": "auto", "tensor_parallel": 16}'])
+    captured = capsys.readouterr()
+    assert status == 1 and captured.out == ""  # no figures for a layout that cannot run
+    # What one rank's attention raises in eager mode when its q projection holds
+    # DIM / 16 columns, fewer than one head.
+    with pytest.raises(RuntimeError) as eager:
+        torch.zeros(BATCH, SEQ, DIM // 16).view(BATCH, SEQ, -1, HEAD_DIM)
+    errors = [line for line in captured.err.splitlines() if line.startswith("dream-trainer")]
+    assert errors == [f"dream-trainer plan: world size {size}: rank 0 would fail with "
+                      f"RuntimeError: {eager.value}" for size in (64, 1024)]
+
+
+def test_a_loader_too_small_for_1024_ranks_is_the_error_setup_raises(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["plan", f"{SCRIPT}:make_loader_trainer", "--world-size", "8,1024",
+                   "--rank", "-1", "--", "--samples", "64"])
+    captured = capsys.readouterr()
+    assert status == 1
+    assert "(1 micro-batch from the train loader)" in captured.out
+    assert ("world size 1024: rank 1023 would fail with ValueError: the train dataloader is "
+            "empty (0 batches on this rank)") in captured.err
+    assert "world size 8:" not in captured.err
+    assert captured.out.splitlines()[3].split()[:3] == ["8", "dp_shard=8", "4"]
+
+
+def test_ddp_is_refused_with_the_layouts_that_plan_can_simulate(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["plan", TARGET, "--world-size", "8", "--json", "--",
+                   "--device_parameters", '{"dp_replicate": "auto", "dp_shard": 1}'])
+    assert status == 1
+    assert "plan cannot simulate DDP" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (["--world-size", "8,x"], "is not a comma-separated list of world sizes"),
+    (["--world-size", "8", "--device-memory", "80 parsecs"], "is not a memory size"),
+])
+def test_bad_arguments_name_the_problem(arguments: list[str], message: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", TARGET, *arguments])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_rank_outside_the_world_is_an_error_of_that_size(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", TARGET, "--world-size", "8", "--rank", "8", "--json"]) == 1
+    assert "rank 8 is outside a world of 8 ranks" in capsys.readouterr().err
+
+
+def test_code_that_reads_tensor_values_is_named_as_what_plan_cannot_simulate(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", TARGET, "--world-size", "8", "--json", "--", "--print_loss", "true"]) == 1
+    err = capsys.readouterr().err
+    assert ("world size 8: rank 0 cannot be planned: the trainer reads a tensor's values "
+            "(aten._local_scalar_dense.default: .item()") in err
+    assert "skip that code when self.world.simulated is True" in err
+
+
+def test_a_plan_batch_of_the_wrong_size_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", TARGET, "--world-size", "8", "--", "--plan_rows", "3"]) == 1
+    assert ("rank 0 would fail with ValueError: plan_batch() returned a tensor of shape "
+            f"(3, {SEQ + 1}), whose first dimension is not train_batch_size={BATCH}") \
+        in capsys.readouterr().err
+
+
+def test_summarize_and_plan_set_the_trainer_up_through_set_up(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from dream_trainer import BaseTrainer
+
+    calls: list[int] = []
+    original = BaseTrainer.set_up
+
+    def counted(self: BaseTrainer) -> None:
+        calls.append(self.world.world_size)
+        original(self)
+
+    monkeypatch.setattr(BaseTrainer, "set_up", counted)
+    monkeypatch.chdir(tmp_path)  # the CLI script's outputs would default to ./outputs
+    assert main(["summarize", f"{REPO / 'tests' / 'scripts' / 'cli_trainer.py'}:make_trainer"]) == 0
+    assert main(["plan", TARGET, "--world-size", "16", "--json"]) == 0
+    capsys.readouterr()
+    assert calls == [1, 16, 16]  # summarize's world, then plan's ranks 0 and 15
