@@ -207,13 +207,14 @@ class BaseTrainer(AbstractTrainer):
 
     @property
     def _samples_per_batch(self) -> int:
-        """Samples in one micro-batch over every data-parallel rank."""
-        return self.training_parameters.train_batch_size * self.world.dp_size
+        """Samples in one micro-batch over every data-parallel rank (of every replica group)."""
+        return self.training_parameters.train_batch_size * self.world.data_shards
 
     @property
     def global_batch_size(self) -> int:
         """Samples in one optimizer step over every data-parallel rank:
-        ``train_batch_size * gradient_accumulation_steps * dp_size`` (after launch)."""
+        ``train_batch_size * gradient_accumulation_steps * dp_size`` (after launch), times
+        the number of replica groups under fault tolerance."""
         return self._samples_per_batch * self.training_parameters.gradient_accumulation_steps
 
     def _train_batch(self, batch: Any, batch_idx: int, averager: ResultAverager) -> None:
@@ -327,7 +328,7 @@ class BaseTrainer(AbstractTrainer):
                 model.parameters(), None if dp_mesh is None else dp_mesh.get_group(),
                 self.world.dp_size)
         grad_norm = clip_grad_norm(model.parameters(), self.training_parameters.gradient_clip_val)
-        self.precision.step(optimizer)
+        self.optimizer_step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         if scheduler is None:
             scheduler = self._scheduler_for(optimizer)
@@ -335,6 +336,15 @@ class BaseTrainer(AbstractTrainer):
             scheduler.step()
         self._fire("post_optimizer_step", model, optimizer)
         return grad_norm
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apply the gradients: ``optimizer.step()``, through the gradient scaler with float16.
+
+        ``step()`` calls this after clipping and before zeroing the gradients. A mixin that
+        decides whether an update happens at all overrides it and calls ``super()`` only
+        when it does (``FaultTolerantMixin`` steps only when the replica groups commit).
+        """
+        self.precision.step(optimizer)
 
     def _scheduler_for(self, optimizer: torch.optim.Optimizer) -> LRScheduler | None:
         for scheduler in self.named_schedulers().values():
