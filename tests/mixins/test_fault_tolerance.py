@@ -237,14 +237,15 @@ def test_two_groups_train_exactly_like_ddp_and_resume_from_their_checkpoints(
     ddp_out, ft_out = tmp_path / "ddp", tmp_path / "ft"
     ddp_out.mkdir()
     ft_out.mkdir()
-    check(torchrun(SCRIPT, ["--mode", "ddp", "--out", str(ddp_out), "--max-steps", "16"],
-                   nproc=2, timeout=120))
+    check(torchrun(SCRIPT, ["--mode", "ddp", "--out", str(ddp_out), "--max-steps", "16",
+                            "--weighting"], nproc=2, timeout=120))
     with lighthouse(2) as address:
         # Stopped after 10 steps with a checkpoint, then the same command again to step 16:
         # every group resumes from its own checkpoint (no group is behind, so none recovers).
         for max_steps in (10, 16):
             with replica_groups(ft_out, 2, 1, 2, address,
-                                ["--checkpoint", "--max-steps", str(max_steps)]) as started:
+                                ["--checkpoint", "--weighting", "--max-steps",
+                                 str(max_steps)]) as started:
                 finish(started, 120)
                 records = {group.replica_id: group.records() for group in started}
     ddp = {e["global_step"]: e["loss"] for e in json.loads(

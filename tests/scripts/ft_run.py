@@ -37,6 +37,7 @@ class RunConfig(BaseTrainerConfig, SetupConfigMixin):
     stop_file: Path | None = None
     step_delay: float = 0.0
     optimizer: str = "adamw"
+    weighting: bool = False
 
 
 class FTRunConfig(RunConfig, FaultTolerantConfigMixin, CheckpointConfigMixin,
@@ -113,8 +114,17 @@ class Trainer(BaseTrainer, SetupMixin):
         if self.config.step_delay:
             time.sleep(self.config.step_delay)
         x, y = batch
-        loss = F.mse_loss(self.model(x), y)
-        self.backward(loss)
+        per_sample = F.mse_loss(self.model(x), y, reduction="none").mean(dim=1)
+        if self.config.weighting and self.global_step % 2:
+            # Token-weighted steps (every other one): a data-dependent number of items per
+            # batch and rank, summed over the groups by the fault-tolerant reduction.
+            keep = y[:, 0] > -0.5
+            items = keep.sum()
+            self.backward((per_sample * keep).sum(), num_items=items)
+            loss = (per_sample * keep).sum() / items.clamp_min(1)
+        else:
+            loss = per_sample.mean()
+            self.backward(loss)
         if not self.is_accumulating_gradients:
             self.step(self.model, self.optimizer)
         return {"loss": loss}
@@ -161,6 +171,8 @@ def main() -> None:
     parser.add_argument("--connect-timeout", type=float, default=30.0)
     parser.add_argument("--callbacks", action="store_true",
                         help="add a progress bar and a NaN guard (composition check)")
+    parser.add_argument("--weighting", action="store_true",
+                        help="make every other step token-weighted (backward with num_items)")
     parser.add_argument("--checkpoint", action="store_true",
                         help="checkpoint at the end and resume from the latest checkpoint")
     args = parser.parse_args()
@@ -171,7 +183,8 @@ def main() -> None:
     device = (DeviceParameters.FSDP() if args.dp_shard > 1 else DeviceParameters.DDP())
     common: dict[str, Any] = dict(
         project="ft", group="tests", experiment="run", out=args.out, stop_file=args.stop_file,
-        step_delay=args.step_delay, optimizer=args.optimizer, device_parameters=device,
+        step_delay=args.step_delay, optimizer=args.optimizer, weighting=args.weighting,
+        device_parameters=device,
         callbacks=callbacks,
         training_parameters=TrainingParameters(n_epochs=1000, train_batch_size=4,
                                                max_steps=args.max_steps))
