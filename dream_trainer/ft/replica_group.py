@@ -167,6 +167,11 @@ class ReplicaGroup:
     def shutdown(self) -> None:
         """Stop the manager's servers and leave the cross-group process group."""
         self.manager.shutdown(wait=True)
+        # torchft 0.2.0 stops its checkpoint server's loop but leaves the listening socket
+        # open until garbage collection.
+        server = getattr(self.manager._checkpoint_transport, "_server", None)
+        if server is not None:
+            server.server_close()
         self.process_group.shutdown()
         self._store = None
 

@@ -74,6 +74,9 @@ class FaultTolerantMixin(BaseTrainer):
         self._in_loop = False
         self._last_step_committed: bool | None = None
         self._recoveries = 0
+        # The counters as of the latest step, still readable after teardown.
+        self._committed_steps = 0
+        self._participants = 0
         self._check_bases()
 
     def _check_bases(self) -> None:
@@ -101,15 +104,13 @@ class FaultTolerantMixin(BaseTrainer):
 
     @property
     def committed_steps(self) -> int:
-        """Optimizer steps the groups have committed (before setup: 0)."""
-        group = self._replica_group
-        return 0 if group is None else group.committed_steps
+        """Optimizer steps the groups have committed (0 before the first)."""
+        return self._committed_steps
 
     @property
     def replica_participants(self) -> int:
-        """Replica groups in the current step's quorum (0 before the first quorum)."""
-        group = self._replica_group
-        return 0 if group is None else group.participants
+        """Replica groups in the latest step's quorum (0 before the first quorum)."""
+        return self._participants
 
     @property
     def last_step_committed(self) -> bool | None:
@@ -147,7 +148,7 @@ class FaultTolerantMixin(BaseTrainer):
     def pre_fit(self) -> None:
         # The first step's quorum, before the loop positions itself: a group that is behind
         # takes its peers' loop position here, and the loop starts from it.
-        self._group.start_step()
+        self._start_step()
         self._quorum_ready = True
         self._in_loop = True
         super().pre_fit()
@@ -159,8 +160,13 @@ class FaultTolerantMixin(BaseTrainer):
             if self._quorum_ready:
                 self._quorum_ready = False
             else:
-                self._group.start_step()
+                self._start_step()
         super().pre_train_batch(batch, batch_idx)
+
+    def _start_step(self) -> None:
+        group = self._group
+        group.start_step()
+        self._committed_steps, self._participants = group.committed_steps, group.participants
 
     @override
     def pre_optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -186,8 +192,10 @@ class FaultTolerantMixin(BaseTrainer):
 
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        committed = self._group.commit()
+        group = self._group
+        committed = group.commit()
         self._last_step_committed = committed
+        self._committed_steps, self._participants = group.committed_steps, group.participants
         if committed:
             super().optimizer_step(optimizer)
             return
