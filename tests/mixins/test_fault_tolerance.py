@@ -301,10 +301,10 @@ def test_an_unreachable_lighthouse_is_an_error_naming_its_address_within_the_tim
         project="toy", group="tests", experiment="ft",
         training_parameters=TrainingParameters(n_epochs=1, train_batch_size=8),
         fault_tolerance_parameters=FaultToleranceParameters(
-            lighthouse=address, connect_timeout=timedelta(seconds=2)))
+            lighthouse=address, connect_timeout=timedelta(seconds=1)))
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=f"cannot reach the torchft lighthouse at "
-                                           f"{address} within connect_timeout=2s"):
+                                           f"{address} within connect_timeout=1s"):
         FTToy(config).fit()
     assert time.monotonic() - start < 30
 
@@ -352,3 +352,24 @@ def test_each_group_reads_its_own_share_of_the_training_data() -> None:
             trainer.world.shutdown()
     assert [len(share) for share in shares] == [8, 8, 8]
     assert sorted(i for share in shares for i in share) == list(range(24))
+
+
+def test_the_lighthouse_command_names_its_options_and_a_port_it_cannot_bind(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    from dream_trainer.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["lighthouse", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--min-replicas", "--bind", "--join-timeout-ms", "--quorum-tick-ms",
+                   "--heartbeat-timeout-ms"):
+        assert option in out, option
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["lighthouse", "--min-replicas", "1", "--bind", f"[::]:{port}"]) == 1
+    assert f"cannot serve a lighthouse on [::]:{port}" in capsys.readouterr().err
