@@ -64,6 +64,7 @@ class FaultTolerantMixin(BaseTrainer):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._check_bases()
         super().__init__(*args, **kwargs)
         params = self.fault_tolerance_parameters
         self.world.join_replica_groups(params.replica_id, params.replica_groups)
@@ -77,9 +78,9 @@ class FaultTolerantMixin(BaseTrainer):
         # The counters as of the latest step, still readable after teardown.
         self._committed_steps = 0
         self._participants = 0
-        self._check_bases()
 
     def _check_bases(self) -> None:
+        """The directory overrides only win if this class precedes the mixins that own them."""
         mro = type(self).__mro__
         first = mro.index(FaultTolerantMixin)
         late = [mixin.__name__ for mixin in (CheckpointMixin, LoggerMixin)

@@ -207,15 +207,18 @@ class BaseTrainer(AbstractTrainer):
 
     @property
     def _samples_per_batch(self) -> int:
-        """Samples in one micro-batch over every data-parallel rank (of every replica group)."""
+        """Samples in one micro-batch over every rank that reads training data (those of
+        every replica group under fault tolerance): the unit of the data position."""
         return self.training_parameters.train_batch_size * self.world.data_shards
 
     @property
     def global_batch_size(self) -> int:
         """Samples in one optimizer step over every data-parallel rank:
-        ``train_batch_size * gradient_accumulation_steps * dp_size`` (after launch), times
-        the number of replica groups under fault tolerance."""
-        return self._samples_per_batch * self.training_parameters.gradient_accumulation_steps
+        ``train_batch_size * gradient_accumulation_steps * dp_size`` (after launch; under
+        fault tolerance, those of this replica group, so that each group's throughput
+        figures count its own samples)."""
+        params = self.training_parameters
+        return params.train_batch_size * params.gradient_accumulation_steps * self.world.dp_size
 
     def _train_batch(self, batch: Any, batch_idx: int, averager: ResultAverager) -> None:
         self._batch_idx = batch_idx
@@ -541,7 +544,7 @@ class BaseTrainer(AbstractTrainer):
         self.current_epoch = int(state_dict["current_epoch"])
         samples = int(state_dict.get("batch_in_epoch", 0)) * int(
             state_dict.get("samples_per_batch", self._samples_per_batch))
-        window = self.global_batch_size
+        window = self._samples_per_batch * self.training_parameters.gradient_accumulation_steps
         if samples % window:
             raise ValueError(
                 f"cannot resume mid-epoch: the checkpoint's run had read {samples} samples of "
