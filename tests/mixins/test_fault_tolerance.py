@@ -31,8 +31,6 @@ from dream_trainer.mixins import (CheckpointConfigMixin, CheckpointMixin, FaultT
 from tests.helpers.launch import REPO, check, child_env, free_port, torchrun
 from tests.helpers.toy import ToyConfig, ToyTrainer
 
-pytest.importorskip("torchft", reason="the [ft] extra (torchft) is not installed")
-
 SCRIPT = REPO / "tests" / "scripts" / "ft_run.py"
 # Fast quorums and failure detection for a test on one machine (torchft's defaults are for
 # clusters: a 60 s join timeout, 5 s heartbeats).
@@ -192,8 +190,12 @@ def test_live_groups_keep_training_while_a_killed_group_restarts_and_recovers(
             replica_groups(tmp_path, groups, nproc, min_replicas, address,
                            ["--stop-file", str(stop_file), "--step-delay", "0.02",
                             "--callbacks"]) as started:
-        wait_for(lambda: started[victim].last_step() >= KILL_AT_STEP, 120,
-                 f"step {KILL_AT_STEP}", started)
+        # Killed once every group trains (a group that started late joins by recovering).
+        def all_training() -> bool:
+            return started[victim].last_step() >= KILL_AT_STEP and all(
+                any(r["participants"] == groups for r in group.records()) for group in started)
+
+        wait_for(all_training, 120, f"every group to train, and step {KILL_AT_STEP}", started)
         old_pids = set(started[victim].worker_pids())
         started[victim].kill_workers()
         killed_at = max(group.last_step() for group in started)
@@ -373,3 +375,17 @@ def test_the_lighthouse_command_names_its_options_and_a_port_it_cannot_bind(
         port = taken.getsockname()[1]
         assert main(["lighthouse", "--min-replicas", "1", "--bind", f"[::]:{port}"]) == 1
     assert f"cannot serve a lighthouse on [::]:{port}" in capsys.readouterr().err
+
+
+def test_without_torchft_the_errors_name_the_extra(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from dream_trainer.cli import main
+    from dream_trainer.ft.replica_group import import_torchft
+
+    monkeypatch.setitem(sys.modules, "torchft", None)  # what an absent package looks like
+    monkeypatch.setitem(sys.modules, "torchft.coordination", None)
+    with pytest.raises(ImportError, match=r"pip install 'dream-trainer\[ft\]'"):
+        import_torchft()
+    assert main(["lighthouse", "--min-replicas", "1"]) == 1
+    assert "pip install 'dream-trainer[ft]'" in capsys.readouterr().err
+
