@@ -37,6 +37,10 @@ def import_torchft() -> ModuleType:
     return torchft
 
 
+class RecoveryError(RuntimeError):
+    """Applying the state copied from a live peer failed."""
+
+
 class ReplicaGroup:
     """This process's part in the replica groups: the group's store, its torchft ``Manager``
     and the process group that joins it to the same rank of every other live group.
@@ -81,11 +85,20 @@ class ReplicaGroup:
             problem, port = shared
         if problem is not None:
             raise RuntimeError(problem)
+        def load_peer_state(state: Any) -> None:
+            try:
+                load_state_dict(state)
+            except Exception as exc:
+                raise RecoveryError(
+                    f"replica group {params.replica_id} could not apply the state it copied "
+                    f"from a live peer: {type(exc).__name__}: {exc}"
+                ) from exc
+
         pg_class = torchft.ProcessGroupNCCL if self.device.type == "cuda" \
             else torchft.ProcessGroupGloo
         self.process_group = pg_class(timeout=params.timeout)
         self.manager = torchft.Manager(
-            pg=self.process_group, load_state_dict=load_state_dict, state_dict=state_dict,
+            pg=self.process_group, load_state_dict=load_peer_state, state_dict=state_dict,
             min_replica_size=params.min_replicas,
             # A synchronous quorum applies a peer's state before the step's forward pass, so
             # a recovering group takes part in the very step it recovered for.
@@ -105,9 +118,12 @@ class ReplicaGroup:
         Raises:
             RuntimeError: if no quorum of ``min_replicas`` groups forms within
                 ``quorum_timeout`` (or the lighthouse is gone).
+            RecoveryError: if the state copied from a peer does not fit this group.
         """
         try:
             self.manager.start_quorum()
+        except RecoveryError:
+            raise
         except Exception as exc:
             raise RuntimeError(
                 f"replica group {self.params.replica_id}: no quorum of at least "

@@ -311,6 +311,22 @@ def test_an_unreachable_lighthouse_is_an_error_naming_its_address_within_the_tim
     assert time.monotonic() - start < 30
 
 
+def test_too_few_groups_for_a_quorum_is_an_error_within_the_quorum_timeout() -> None:
+    with lighthouse(min_replicas=2) as address:
+        config = FTToyConfig(
+            project="toy", group="tests", experiment="ft",
+            training_parameters=TrainingParameters(n_epochs=1, train_batch_size=8),
+            fault_tolerance_parameters=FaultToleranceParameters(
+                lighthouse=address, replica_groups=2, min_replicas=2,
+                quorum_timeout=timedelta(seconds=1)))
+        trainer = FTToy(config)
+        with pytest.raises(RuntimeError, match="no quorum of at least 2 replica group.s. "
+                                               f"formed at the lighthouse {address} within "
+                                               "quorum_timeout=1s"):
+            trainer.fit()
+    assert trainer.global_step == 0 and trainer.committed_steps == 0
+
+
 def test_a_mixin_listed_before_it_is_refused() -> None:
     class Late(CheckpointMixin, FTToy):
         pass
