@@ -2,9 +2,9 @@
 restarted, the restarted group recovers from a peer, and without failures the groups train
 exactly like DDP over the same ranks.
 
-Each replica group is its own torchrun job of tests/scripts/ft_run.py; the lighthouse is
-`dream-trainer lighthouse` in a subprocess. Every process group started here is killed at the
-end of its test.
+Each replica group is its own torchrun job of tests/scripts/ft_run.py; the lighthouse runs
+in this process, or as `dream-trainer lighthouse` in a subprocess. Every process started here
+is killed at the end of its test.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -109,8 +109,13 @@ class Group:
 
     def kill_workers(self) -> None:
         for pid in self.worker_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            # Only a process still running this group's script: a pid from a file may have
+            # been reused once its worker ended.
+            with contextlib.suppress(OSError):
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if SCRIPT.name.encode() in b" ".join(command) \
+                        and str(self.out).encode() in command:
+                    os.kill(pid, signal.SIGKILL)
 
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout=timeout)
@@ -122,7 +127,7 @@ class Group:
     def close(self) -> None:
         # torchrun starts its workers in sessions of their own: kill them by pid too.
         _kill_group(self.proc.pid)
-        with contextlib.suppress(FileNotFoundError, ValueError):
+        with contextlib.suppress(OSError, ValueError):
             self.kill_workers()
         self.proc.wait(timeout=30)
         self.log.close()
@@ -130,7 +135,7 @@ class Group:
 
 @contextlib.contextmanager
 def replica_groups(out: Path, groups: int, nproc: int, min_replicas: int, address: str,
-                   extra: list[str] = ()) -> Iterator[list[Group]]:  # type: ignore[assignment]
+                   extra: Sequence[str] = ()) -> Iterator[list[Group]]:
     started = [Group(out, r, groups, nproc, min_replicas, address, list(extra))
                for r in range(groups)]
     try:
