@@ -14,9 +14,11 @@ SNAPSHOT = {
     "dream_trainer": ["AbstractTrainer", "AbstractTrainerConfig", "BaseTrainer",
                       "BaseTrainerConfig", "DreamTrainer", "DreamTrainerConfig", "StopTraining"],
     "dream_trainer.configs": ["CheckpointParameters", "ConfigModel", "apply_cli_overrides", "DeviceParameters",
-                              "LoggingParameters", "TrainingParameters"],
+                              "FaultToleranceParameters", "LoggingParameters",
+                              "TrainingParameters"],
     "dream_trainer.mixins": ["CSVLoggerConfigMixin", "CSVLoggerMixin", "CheckpointConfigMixin",
                              "CheckpointMixin", "EvalConfigMixin", "EvalMixin",
+                             "FaultTolerantConfigMixin", "FaultTolerantMixin",
                              "JSONLoggerConfigMixin", "JSONLoggerMixin", "LoggerMixin",
                              "SetupConfigMixin", "SetupMixin", "TensorBoardLoggerConfigMixin",
                              "TensorBoardLoggerMixin", "WandBLoggerConfigMixin",
@@ -64,7 +66,8 @@ def test_import_pulls_in_no_optional_extra() -> None:
     modules = set(json.loads(result.stdout))
     assert "torch" in modules  # the probe really ran the import
     for heavy in ("wandb", "torchmetrics", "lightning", "rich.progress", "rich.console",
-                  "tensorboard", "torch.utils.tensorboard", "PIL", "sklearn", "transformers"):
+                  "tensorboard", "torch.utils.tensorboard", "PIL", "sklearn", "transformers",
+                  "torchft", "opentelemetry"):
         assert heavy not in modules, heavy
     # Each of these takes about a second to import (DTensor pulls in sympy); they load when a
     # run first shards, checkpoints or exports, not at `import dream_trainer`.

@@ -2,8 +2,9 @@
 
 ``summarize``, ``benchmark``, ``profile``, ``plan`` and ``find-graph-breaks`` take a TARGET
 naming the user's trainer factory (``path/to/script.py:NAME`` or ``package.module:NAME``)
-followed by config overrides for it; ``export`` turns a checkpoint into safetensors files.
-See ``docs/cli.md``.
+followed by config overrides for it; ``export`` turns a checkpoint into safetensors files;
+``lighthouse`` serves torchft's lighthouse for fault-tolerant replica groups. See
+``docs/cli.md``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from dream_trainer.cli import benchmark, export, find_graph_breaks, plan, profile, summarize
+from dream_trainer.cli import (benchmark, export, find_graph_breaks, lighthouse, plan, profile,
+                               summarize)
 from dream_trainer.cli.target import TargetError
 
 __all__ = ["build_parser", "main"]
@@ -40,9 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dream-trainer", allow_abbrev=False, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Inspect, time, profile, plan and compile-check a dream_trainer trainer; "
-                    "export checkpoints.")
+                    "export checkpoints; serve the lighthouse of fault-tolerant replica groups.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (summarize, benchmark, profile, plan, find_graph_breaks, export):
+    for command in (summarize, benchmark, profile, plan, find_graph_breaks, export, lighthouse):
         subparser = command.add_parser(commands)
         if subparser.get_default("takes_overrides"):
             usage = " ".join(subparser.format_usage().split()[1:])

@@ -437,7 +437,8 @@ class SetupMixin(AbstractTrainer):
                               "val_batch_size", params.val_batch_size)
         seed = self.config.seed if self.config.seed is not None else 0
         world = self.world
-        self._train_loader = prepare_loader(train, world.dp_size, world.dp_rank, seed)
+        # Replica groups (fault tolerance) each read their own share of the training data.
+        self._train_loader = prepare_loader(train, world.data_shards, world.data_shard, seed)
         self._val_loader = None if val is None else map_loaders(
             val, lambda loader: prepare_loader(loader, world.dp_size, world.dp_rank, seed,
                                                validation=True))

@@ -229,14 +229,18 @@ class BaseTrainer(ValidationLoop):
 
     @property
     def _samples_per_batch(self) -> int:
-        """Samples in one micro-batch over every data-parallel rank."""
-        return self.training_parameters.train_batch_size * self.world.dp_size
+        """Samples in one micro-batch over every rank that reads training data (those of
+        every replica group under fault tolerance): the unit of the data position."""
+        return self.training_parameters.train_batch_size * self.world.data_shards
 
     @property
     def global_batch_size(self) -> int:
         """Samples in one optimizer step over every data-parallel rank:
-        ``train_batch_size * gradient_accumulation_steps * dp_size`` (after launch)."""
-        return self._samples_per_batch * self.training_parameters.gradient_accumulation_steps
+        ``train_batch_size * gradient_accumulation_steps * dp_size`` (after launch; under
+        fault tolerance, those of this replica group, so that each group's throughput
+        figures count its own samples)."""
+        params = self.training_parameters
+        return params.train_batch_size * params.gradient_accumulation_steps * self.world.dp_size
 
     def _train_batch(self, batch: Any, batch_idx: int, averager: ResultAverager) -> None:
         self._batch_idx = batch_idx
@@ -379,7 +383,7 @@ class BaseTrainer(ValidationLoop):
                 model.parameters(), None if dp_mesh is None else dp_mesh.get_group(),
                 self.world.dp_size)
         grad_norm = clip_grad_norm(model.parameters(), self.training_parameters.gradient_clip_val)
-        self.precision.step(optimizer)
+        self.optimizer_step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         if scheduler is None:
             scheduler = self._scheduler_for(optimizer)
@@ -392,6 +396,15 @@ class BaseTrainer(ValidationLoop):
             scheduler.step()
         self._fire("post_optimizer_step", model, optimizer)
         return grad_norm
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apply the gradients: ``optimizer.step()``, through the gradient scaler with float16.
+
+        ``step()`` calls this after clipping and before zeroing the gradients. A mixin that
+        decides whether an update happens at all overrides it and calls ``super()`` only
+        when it does (``FaultTolerantMixin`` steps only when the replica groups commit).
+        """
+        self.precision.step(optimizer)
 
     def _scheduler_for(self, optimizer: torch.optim.Optimizer) -> LRScheduler | None:
         for scheduler in self.named_schedulers().values():
@@ -531,7 +544,7 @@ class BaseTrainer(ValidationLoop):
         self.current_epoch = int(state_dict["current_epoch"])
         samples = int(state_dict.get("batch_in_epoch", 0)) * int(
             state_dict.get("samples_per_batch", self._samples_per_batch))
-        window = self.global_batch_size
+        window = self._samples_per_batch * self.training_parameters.gradient_accumulation_steps
         if samples % window:
             raise ValueError(
                 f"cannot resume mid-epoch: the checkpoint's run had read {samples} samples of "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,17 @@ class ItemWeighting:
                 dist.all_reduce(total, group=group)
             self._global = total
         return self._global
+
+    def add_peer_counts(self, group: dist.ProcessGroup | None,
+                        reduce: Callable[[torch.Tensor], None]) -> None:
+        """Add the counts of peers outside the data-parallel mesh to this window's count.
+
+        Fault-tolerant replica groups each reduce over their own mesh and add up their
+        gradients across groups; ``reduce`` sums the window's count across the groups in
+        place, so that ``scale_gradients`` divides by the items of every live group. Call it
+        after the window's last backward, before ``step()`` scales the gradients.
+        """
+        reduce(self.global_count(group))
 
     def scale_gradients(self, parameters: Iterable[nn.Parameter],
                         group: dist.ProcessGroup | None, dp_size: int) -> torch.Tensor:

@@ -56,6 +56,10 @@ class DistributedWorld:
         self.device = self._pick_device(device_parameters.device, self.env.local_rank)
         self.mesh: DeviceMesh | None = None
         self.fake_mode: FakeTensorMode | None = None
+        self.replica_group = 0
+        """This run's index among the replica groups that train one model (fault tolerance)."""
+        self.replica_groups = 1
+        """How many replica groups train the model together; 1 without fault tolerance."""
         self._flat_meshes: dict[MeshAxis, DeviceMesh] = {}
         self._owns_process_group = False
         self._anomaly_before: bool | None = None
@@ -140,6 +144,29 @@ class DistributedWorld:
         """This rank's index among the data-parallel ranks: which slice of the data it reads."""
         mesh = self.dp_mesh
         return 0 if mesh is None else mesh.get_local_rank()
+
+    @property
+    def data_shards(self) -> int:
+        """Into how many disjoint shares the training data is split: one per data-parallel
+        rank of every replica group."""
+        return self.dp_size * self.replica_groups
+
+    @property
+    def data_shard(self) -> int:
+        """Which of the ``data_shards`` shares this rank reads."""
+        return self.replica_group * self.dp_size + self.dp_rank
+
+    def join_replica_groups(self, index: int, count: int) -> None:
+        """Make this run replica group ``index`` of ``count`` groups of identical topology
+        that train one model (``FaultTolerantMixin``): each reads its own share of the
+        training data. Validation data stays split over this group's ranks only.
+
+        Raises:
+            ValueError: if ``index`` is not in ``range(count)``.
+        """
+        if not 0 <= index < count:
+            raise ValueError(f"replica group {index} is outside range({count})")
+        self.replica_group, self.replica_groups = index, count
 
     # -- lifecycle --------------------------------------------------------------------------
     def launch(self) -> None:

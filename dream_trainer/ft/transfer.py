@@ -1,0 +1,103 @@
+"""The trainer state a recovering replica group copies from a live peer, in a form that can
+cross the wire.
+
+torchft's checkpoint transport pickles the state, and a ``DTensor`` cannot be pickled into
+another process (its mesh holds process groups). Each DTensor travels as its local shard plus
+its layout (``Sharded``); the peer rank that receives it holds the same shard of the same
+layout, because every group has the same topology, and rebuilds the DTensor on its own mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dream_trainer.parallel.dtensor import is_dtensor, local_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """A DTensor on the wire: this rank's shard and how it lies on which mesh dimensions."""
+
+    local: torch.Tensor
+    placements: tuple[Any, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+    mesh_dims: tuple[str, ...]
+    on_accelerator: bool
+
+
+def to_wire(tree: Any) -> Any:
+    """``tree`` (dicts, lists and tuples of anything) with every DTensor made ``Sharded``.
+
+    Tensors are not copied: the state must not change until the peer has fetched it, which
+    torchft guarantees (it serves the state only until the step's commit vote).
+
+    Raises:
+        ValueError: for a DTensor on a mesh without dimension names (it could not be
+            rebuilt on the receiving side).
+    """
+    if is_dtensor(tree):
+        names = tree.device_mesh.mesh_dim_names
+        if names is None:
+            raise ValueError("a DTensor of the trainer state lies on a mesh without dimension "
+                             "names, so a recovering replica group could not rebuild it: "
+                             "create meshes with mesh_dim_names")
+        local = tree.to_local()
+        return Sharded(local, tuple(tree.placements), tree.shape, tree.stride(), tuple(names),
+                       local.device.type != "cpu")
+    if isinstance(tree, dict):
+        return {key: to_wire(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_wire(value) for value in tree)
+    return tree
+
+
+def from_wire(tree: Any, mesh: Callable[[tuple[str, ...]], DeviceMesh],
+              device: torch.device) -> Any:
+    """Undo ``to_wire``: rebuild each ``Sharded`` as a DTensor on ``mesh(mesh_dims)``.
+
+    Args:
+        tree: What ``to_wire`` made, as the transport delivered it (tensors on the CPU).
+        mesh: The device mesh with the given dimension names, on this rank.
+        device: Where a shard that lived on an accelerator goes back to (a CPU-offloaded
+            shard stays on the CPU).
+    """
+    if isinstance(tree, Sharded):
+        from torch.distributed.tensor import DTensor
+
+        local = tree.local.to(device) if tree.on_accelerator else tree.local
+        return DTensor.from_local(local, mesh(tree.mesh_dims), tree.placements,
+                                  run_check=False, shape=tree.shape, stride=tree.stride)
+    if isinstance(tree, dict):
+        return {key: from_wire(value, mesh, device) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(from_wire(value, mesh, device) for value in tree)
+    return tree
+
+
+def copy_into(module: torch.nn.Module, received: dict[str, Any], name: str) -> None:
+    """Copy a received ``state_dict`` into ``module``'s parameters and buffers in place.
+
+    Raises:
+        ValueError: naming the keys that differ between the two.
+    """
+    current = module.state_dict()
+    missing = sorted(current.keys() - received.keys())
+    unexpected = sorted(received.keys() - current.keys())
+    if missing or unexpected:
+        raise ValueError(
+            f"the state received for model {name!r} does not fit it: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}; every replica group must build the same models"
+        )
+    with torch.no_grad():
+        for key, tensor in current.items():
+            value = received[key]
+            local = value.local if isinstance(value, Sharded) else local_tensor(value)
+            local_tensor(tensor).copy_(local)
