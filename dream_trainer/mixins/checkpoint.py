@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import logging
 import shutil
 from collections.abc import Iterator
@@ -17,11 +15,13 @@ import torch
 import torch.distributed as dist
 from pydantic import Field
 
+from dream_trainer.checkpoint.agreement import (check_shapes, commit, config_changes, failures,
+                                                find_problem, gather, root_cause, take_lock)
 from dream_trainer.checkpoint.layout import (CONFIG, INFO, METADATA, CheckpointError,
-                                             CheckpointInfo, checksum, complete_checkpoints,
-                                             data_files, is_complete, step_dir, step_dirs,
-                                             verify_files)
+                                             CheckpointInfo, complete_checkpoints, is_complete,
+                                             step_dir)
 from dream_trainer.checkpoint.lock import RunLock
+from dream_trainer.checkpoint.retention import rotate
 from dream_trainer.checkpoint.rng import set_rng_state
 from dream_trainer.checkpoint.state import SHARED, TrainingState, check_shared, digest
 from dream_trainer.configs.base import ConfigModel
@@ -88,7 +88,8 @@ class CheckpointMixin(AbstractTrainer):
             self._preemption_agreement = PreemptionAgreement(
                 self._preemption, self.world.new_group("gloo"))
         if self.checkpoint_parameters.enabled:
-            self._take_lock()
+            self._lock = take_lock(self.checkpoint_dir, self.world.rank,
+                                   self.world.world_size, self._checkpoint_group)
             self._resume()
         super().post_setup()
 
@@ -211,9 +212,7 @@ class CheckpointMixin(AbstractTrainer):
         if self.world.world_size == 1:
             return
         mine = {key: digest(value) for key, value in self.extra_state_dict().items()}
-        gathered: list[dict[str, str] | None] = [None] * self.world.world_size
-        dist.all_gather_object(gathered, mine, group=self._checkpoint_group)
-        check_shared([digests or {} for digests in gathered])
+        check_shared(gather(mine, self.world.world_size, self._checkpoint_group))
 
     def _refuse_non_finite(self) -> None:
         """A checkpoint of NaN/inf weights would poison every resume: refuse to write it."""
@@ -246,7 +245,7 @@ class CheckpointMixin(AbstractTrainer):
         except (OSError, CheckpointException) as exc:
             kept = complete_checkpoints(self.checkpoint_dir)
             # DCP gathers every rank's error into one exception: name the real causes.
-            cause = "; ".join(f"rank {rank}: {_root_cause(error)}"
+            cause = "; ".join(f"rank {rank}: {root_cause(error)}"
                               for rank, error in exc.failures.items()) \
                 if isinstance(exc, CheckpointException) else str(exc)
             free = shutil.disk_usage(self.checkpoint_dir).free \
@@ -260,45 +259,12 @@ class CheckpointMixin(AbstractTrainer):
             ) from exc
 
     def _committed(self, info: CheckpointInfo) -> None:
-        """Checksum every file (each rank a share), then write ``dream_trainer.json``, which
-        makes the checkpoint complete, and apply retention (collective)."""
-        metadata = _dcp().FileSystemReader(str(info.path)).read_metadata()
-        files = sorted([*data_files(metadata), METADATA, CONFIG])
-        rank, world_size = self.world.rank, self.world.world_size
-        mine = {name: checksum(info.path / name) for name in files[rank::world_size]}
-        shares: list[dict[str, str] | None] = [mine]
-        if world_size > 1:
-            shares = [None] * world_size
-            dist.all_gather_object(shares, mine, group=self._checkpoint_group)
+        """Checksum and complete the checkpoint, then apply retention (collective)."""
+        commit(info, self.world.rank, self.world.world_size, self._checkpoint_group)
         if self.world.is_rank_zero:
-            checksums = {name: digest for share in shares for name, digest in (share or {}).items()}
-            dataclasses.replace(info, files=checksums).write()
             logger.info("saved checkpoint %s", info.path)
-            self._rotate()
-
-    def _rotate(self) -> None:
-        """Delete checkpoints beyond ``keep_top_k`` and stale incomplete ones (rank 0)."""
-        params = self.checkpoint_parameters
-        infos = complete_checkpoints(self.checkpoint_dir)
-        if not infos:
-            return
-        newest = infos[-1]
-        in_flight = self._pending_save[1].path if self._pending_save else None
-        for step, path in step_dirs(self.checkpoint_dir):
-            if step < newest.step and not is_complete(path) and path != in_flight:
-                shutil.rmtree(path, ignore_errors=True)
-        if params.keep_top_k is None:
-            return
-        if params.monitor is None:
-            ranked = sorted(infos, key=lambda info: info.step, reverse=True)
-        else:
-            sign = 1.0 if params.mode == "min" else -1.0
-            ranked = sorted(infos, key=lambda info: (info.score is None,
-                                                     sign * (info.score or 0.0), -info.step))
-        keep = {info.path for info in ranked[: params.keep_top_k]} | {newest.path}
-        for info in infos:
-            if info.path not in keep:
-                shutil.rmtree(info.path, ignore_errors=True)
+            rotate(self.checkpoint_dir, self.checkpoint_parameters,
+                   self._pending_save[1].path if self._pending_save else None)
 
     def _monitor_value(self) -> float | None:
         monitor = self.checkpoint_parameters.monitor
@@ -364,33 +330,8 @@ class CheckpointMixin(AbstractTrainer):
 
     def _verify(self, path: Path) -> str | None:
         """What is wrong with the checkpoint at ``path`` on any rank, or None (collective)."""
-        try:
-            metadata = _dcp().FileSystemReader(str(path)).read_metadata()
-            verify_files(path, metadata, self.world.rank, self.world.world_size)
-            problem = None
-        except Exception as exc:  # a damaged .metadata raises anything unpickling does
-            problem = str(exc) if isinstance(exc, CheckpointError) \
-                else f"cannot read {path / METADATA}: {type(exc).__name__}: {exc}"
-        problems: list[str | None] = [problem]
-        if self.world.world_size > 1:
-            problems = [None] * self.world.world_size
-            dist.all_gather_object(problems, problem, group=self._checkpoint_group)
-        return next((p for p in problems if p is not None), None)
-
-    def _take_lock(self) -> None:
-        """Global rank 0 locks the experiment's directory; every rank learns the outcome."""
-        error = None
-        if self.world.is_rank_zero:
-            self._lock = RunLock(self.checkpoint_dir)
-            try:
-                self._lock.acquire()
-            except CheckpointError as exc:
-                self._lock, error = None, str(exc)
-        errors = [error]
-        if self.world.world_size > 1:
-            dist.broadcast_object_list(errors, src=0, group=self._checkpoint_group)
-        if errors[0] is not None:
-            raise CheckpointError(errors[0])
+        return find_problem(path, self.world.rank, self.world.world_size,
+                            self._checkpoint_group)
 
     def load_checkpoint(self, path: str | Path, weights_only: bool = False) -> None:
         """Load a checkpoint written by any number of ranks (collective).
@@ -419,7 +360,7 @@ class CheckpointMixin(AbstractTrainer):
                 "(checkpoint_parameters.load_weights_only=True)"
             )
         state = TrainingState(self, weights_only=weights_only, saved=saved)
-        _check_shapes(path, state, metadata)
+        check_shapes(path, state.state_dict()["models"], metadata)
         try:
             _dcp().load({"state": state}, storage_reader=reader,
                         process_group=self._checkpoint_group)
@@ -428,7 +369,7 @@ class CheckpointMixin(AbstractTrainer):
         # DCP gathers every rank's failure into a CheckpointException, a BaseException.
         except (Exception, CheckpointException) as exc:
             raise CheckpointError(f"failed to load checkpoint {path}: "
-                                  f"{_failures(exc)}") from exc
+                                  f"{failures(exc)}") from exc
         if weights_only:
             logger.info("loaded model weights from %s", path)
             return
@@ -448,61 +389,12 @@ class CheckpointMixin(AbstractTrainer):
         self._pending_rng = None
 
     def _log_config_diff(self, path: Path) -> None:
-        if not self.world.is_rank_zero or not (path / CONFIG).is_file():
+        if not self.world.is_rank_zero:
             return
-        saved = _flatten(json.loads((path / CONFIG).read_text()))
-        current = _flatten(json.loads(self.config.model_dump_json()))
-        changes = [f"{key}: {saved.get(key, '<absent>')!r} -> {current.get(key, '<absent>')!r}"
-                   for key in sorted(saved.keys() | current.keys())
-                   if saved.get(key) != current.get(key)]
+        changes = config_changes(path, self.config.model_dump_json())
         if changes:
             logger.warning("the config differs from the checkpoint's:\n  %s",
                            "\n  ".join(changes))
-
-
-def _failures(exc: BaseException) -> str:
-    """Each failing rank's root cause (DCP's CheckpointException), or the error itself."""
-    failures = getattr(exc, "failures", None)
-    if not isinstance(failures, dict):
-        return f"{type(exc).__name__}: {exc}"
-    return "; ".join(f"rank {rank}: {_root_cause(error)}"
-                     for rank, error in sorted(failures.items()))
-
-
-def _root_cause(error: BaseException | tuple[BaseException, Any]) -> str:
-    if isinstance(error, tuple):  # DCP keeps (exception, traceback) per rank
-        error = error[0]
-    while error.__cause__ is not None or error.__context__ is not None:
-        error = error.__cause__ or error.__context__  # type: ignore[assignment]
-    return f"{type(error).__name__}: {error}"
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return flat
-
-
-def _check_shapes(path: Path, state: TrainingState, metadata: Any) -> None:
-    """Name every model tensor that the checkpoint lacks or holds with another shape."""
-    saved = metadata.state_dict_metadata
-    problems = []
-    for model, tensors in state.state_dict()["models"].items():
-        for name, tensor in tensors.items():
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            key = f"state.models.{model}.{name}"
-            if key not in saved:
-                problems.append(f"{model}.{name} (not in the checkpoint)")
-            elif tuple(saved[key].size) != tuple(tensor.shape):
-                problems.append(f"{model}.{name} (checkpoint {tuple(saved[key].size)}, "
-                                f"model {tuple(tensor.shape)})")
-    if problems:
-        raise CheckpointError(f"{path} does not fit this trainer's models: "
-                              + "; ".join(problems))
 
 
 def _dcp() -> ModuleType:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from dream_trainer.data.stream import TrainBatches
 from dream_trainer.parallel.data_parallel import DataParallelBackend, backend_for
 from dream_trainer.parallel.grad_norm import clip_grad_norm
 from dream_trainer.parallel.precision import Precision
-from dream_trainer.trainer.abstract import AbstractTrainer, AbstractTrainerConfig, StopTraining
+from dream_trainer.trainer.abstract import AbstractTrainerConfig, StopTraining
 from dream_trainer.trainer.item_weighting import ItemWeighting
 from dream_trainer.trainer.schedulers import takes_metric
 from dream_trainer.trainer.validation import ValidationLoop, check_result, stop_is_an_error

@@ -14,8 +14,7 @@ from safetensors.torch import load_file
 from dream_trainer.callbacks import EarlyStopping
 from dream_trainer.checkpoint import export_checkpoint
 from dream_trainer.configs import DeviceParameters
-from tests.helpers.classifier import (HELD_OUT, VAL, classification_set, one_process_results,
-                                      held_out_loader)
+from tests.helpers.classifier import HELD_OUT, VAL, classification_set, one_process_results
 from tests.helpers.launch import REPO, check, torchrun
 
 SCRIPT = REPO / "tests/scripts/evaluate_after_fit.py"

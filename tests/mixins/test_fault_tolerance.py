@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from dream_trainer.configs import FaultToleranceParameters, TrainingParameters
 from dream_trainer.mixins import (CheckpointConfigMixin, CheckpointMixin, FaultTolerantConfigMixin,
-                                  FaultTolerantMixin, SetupMixin)
+                                  FaultTolerantMixin)
 from tests.helpers.launch import REPO, check, child_env, free_port, torchrun
 from tests.helpers.toy import ToyConfig, ToyTrainer
 
