@@ -27,7 +27,7 @@ demo: $(STAMP)
 # The Lightning environment is built for the tests too, so the Lightning side of the
 # benchmarks cannot rot unnoticed.
 test: $(STAMP) $(BENCH_STAMP)
-	DREAM_BENCH_LIGHTNING_PYTHON=$(BENCH_VENV)/bin/python $(PY) -m pytest -q
+	DREAM_BENCH_LIGHTNING_PYTHON=$(BENCH_VENV)/bin/python $(PY) -m pytest -q --durations=25
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site
