@@ -35,7 +35,9 @@ TRAINING_FIELDS = ["n_epochs", "train_batch_size", "val_batch_size",
                    "val_every_n_steps", "num_sanity_val_steps", "gradient_clip_val", "max_steps"]
 DEVICE_FIELDS = ["dp_replicate", "dp_shard", "context_parallel", "tensor_parallel",
                  "pipeline_parallel", "device", "param_dtype", "reduce_dtype", "compile_model",
-                 "checkpoint_activations", "cpu_offload", "init_timeout", "train_timeout"]
+                 "checkpoint_activations", "cpu_offload", "init_timeout", "train_timeout",
+                 "pipeline_schedule", "pipeline_microbatches", "pipeline_stages_per_rank",
+                 "loss_parallel"]
 
 
 def test_all_matches_the_snapshot() -> None:
