@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 from abc import abstractmethod
@@ -15,11 +16,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 
 from dream_trainer.configs.base import ConfigModel
+from dream_trainer.configs.device import pipeline_layout
 from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.data_parallel import DDPBackend
 from dream_trainer.parallel.materialize import (FullTensorInit, any_rank_failed,
                                                 find_uninitialized, has_meta_tensors,
                                                 materialize)
+from dream_trainer.parallel.pipeline import (PipelineStages, materialize_stages, split_model,
+                                             stage_ids)
+from dream_trainer.parallel.pipeline_schedule import PipelineRunner
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.utils.dataloader import prepare_loader
 from dream_trainer.world.dims import MeshAxis
@@ -41,6 +46,10 @@ class SetupMixin(AbstractTrainer):
     ``nn.Module`` it assigns to ``self`` is a model, and none gets storage. ``setup()`` then
     runs, in this order:
 
+    0. ``apply_pipeline_parallel(pp_mesh)`` when ``pipeline_parallel > 1``: the model is split
+       into stages, steps 1-4 and 6 run once per stage of this rank (with the model attribute
+       bound to that stage), and the model attribute becomes a ``PipelineStages`` holding
+       them; materialization gives the weights a one-process run would have;
     1. ``apply_tensor_parallel(tp_mesh)`` when ``tensor_parallel > 1``;
     2. ``apply_activation_checkpointing()`` when ``checkpoint_activations``;
     3. ``apply_compile()`` when ``compile_model``;
@@ -91,6 +100,26 @@ class SetupMixin(AbstractTrainer):
         """Return ``(train_loader, val_loader)``; ``val_loader`` may be None."""
 
     # -- parallelism hooks -------------------------------------------------------------------------
+    def apply_pipeline_parallel(self, pp_mesh: DeviceMesh) -> list[nn.Module]:
+        """Split the model into pipeline stages; return this rank's, one per ``stage_ids``.
+
+        The default is ``split_model(model, stage_ids(pp_mesh, params), num_stages)``: the
+        blocks ``find_blocks`` finds are split evenly, modules before them go to the first
+        stage and after them to the last, and everything of other stages is set to None,
+        so the model's ``forward`` must skip None modules. Override it for a model that does
+        not follow that convention; return modules whose parameter names are the model's.
+
+        Args:
+            pp_mesh: The pipeline mesh.
+
+        Returns:
+            One module per stage in ``stage_ids(pp_mesh, device_parameters)``, in that order.
+        """
+        params = self.config.device_parameters
+        ids = stage_ids(pp_mesh, params)
+        num_stages = pp_mesh.size() * pipeline_layout(params, pp_mesh.size())[0]
+        return split_model(getattr(self, _pipelined_model(self)), ids, num_stages)
+
     def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
         """Parallelize the models over ``tp_mesh`` (``parallelize_module``).
 
@@ -162,6 +191,8 @@ class SetupMixin(AbstractTrainer):
         for name, model in self.named_models().items():
             if isinstance(model, DistributedDataParallel):
                 setattr(self, name, model.module)
+            elif isinstance(model, PipelineStages):
+                model.release()
         gc.collect()
         super().teardown()
 
@@ -183,13 +214,15 @@ class SetupMixin(AbstractTrainer):
 
     def setup(self) -> None:
         """Parallelize, materialize and wrap the models; then optimizers, schedulers, data."""
-        self._apply_parallelism()
-        self._materialize_models()
         dims = self.world.dims
-        if dims.dp_replicate > 1 and dims.dp_shard == 1:
-            mesh = self.world.get_mesh(MeshAxis.DP_REPLICATE)
-            assert mesh is not None
-            self.apply_replicate(mesh)
+        replicate = dims.dp_replicate > 1 and dims.dp_shard == 1
+        if dims.pp > 1:
+            self._setup_pipeline(replicate)
+        else:
+            self._apply_parallelism()
+            self._materialize_models()
+            if replicate:
+                self._apply_replicate()
         self._setup_optimizers()
         self._setup_schedulers()
         self._setup_dataloaders()
@@ -207,6 +240,48 @@ class SetupMixin(AbstractTrainer):
             self.apply_compile()
         if dims.dp_shard > 1:
             self.apply_fully_shard(self._fully_shard_config())
+
+    def _apply_replicate(self) -> None:
+        mesh = self.world.get_mesh(MeshAxis.DP_REPLICATE)
+        assert mesh is not None
+        self.apply_replicate(mesh)
+
+    def _setup_pipeline(self, replicate: bool) -> None:
+        """Split, parallelize each stage, materialize this rank's stages, wrap them."""
+        name = _pipelined_model(self)
+        model = getattr(self, name)
+        reference = copy.deepcopy(model) if has_meta_tensors(model) else None
+        pp_mesh = self.world.get_mesh(MeshAxis.PP)
+        assert pp_mesh is not None
+        params = self.config.device_parameters
+        ids = stage_ids(pp_mesh, params)
+        per_rank, microbatches = pipeline_layout(params, pp_mesh.size())
+        stages = self.apply_pipeline_parallel(pp_mesh)
+        if len(stages) != len(ids):
+            raise ValueError(f"apply_pipeline_parallel returned {len(stages)} stages; this rank "
+                             f"holds {len(ids)} (stages {ids})")
+        stages = [self._on_stage(name, stage, self._apply_parallelism) for stage in stages]
+        self.world.seed(self.config.seed)
+        if reference is None:
+            for stage in stages:
+                stage.to(self.world.device)
+        else:
+            materialize_stages(reference, stages, self.world.device)
+        runner = PipelineRunner(params.pipeline_schedule, microbatches, ids,
+                                pp_mesh.size() * per_rank, pp_mesh, self.world.device)
+        container = PipelineStages(stages, ids, pp_mesh.size() * per_rank, runner)
+        setattr(self, name, container)
+        self._init_weights()
+        if replicate:
+            container.stages = [self._on_stage(name, stage, self._apply_replicate)
+                                for stage in container.stages]
+
+    def _on_stage(self, name: str, stage: nn.Module, hooks: Any) -> nn.Module:
+        """Run ``hooks()`` with the model attribute bound to ``stage``; return what the hooks
+        left there (a hook may replace the module, as compile and DDP do)."""
+        setattr(self, name, stage)
+        hooks()
+        return getattr(self, name)  # type: ignore[no-any-return]
 
     def _fully_shard_config(self) -> dict[str, Any]:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -230,6 +305,11 @@ class SetupMixin(AbstractTrainer):
                 materialize(model, device)
             else:
                 model.to(device)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """Run ``init_weights()``, then require every tensor to be initialized."""
+        device = self.world.device
         with FullTensorInit():
             self.init_weights()
         bad = [entry for name, model in self.named_models().items()
@@ -310,6 +390,22 @@ class SetupMixin(AbstractTrainer):
     @property
     def val_dataloader(self) -> Iterable[Any] | None:
         return self._val_loader
+
+
+def _pipelined_model(trainer: SetupMixin) -> str:
+    """The attribute of the one model a pipeline splits.
+
+    Raises:
+        ValueError: if ``configure_models`` assigned several models.
+    """
+    names = list(trainer.named_models())
+    if len(names) != 1:
+        raise ValueError(
+            f"pipeline_parallel > 1 splits one model into stages, but configure_models "
+            f"assigned {len(names)}: {names}; train them in separate runs, or set "
+            "pipeline_parallel=1"
+        )
+    return names[0]
 
 
 def _assigned(owner: object, before: dict[str, Any], kind: type) -> list[str]:

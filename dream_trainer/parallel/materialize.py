@@ -72,11 +72,16 @@ def materialize(module: nn.Module, device: torch.device) -> None:
                 tensor.fill_(math.nan)
     with FullTensorInit():
         for submodule in module.modules():
-            # torch's own nn.MultiheadAttention only has the private name.
-            reset = getattr(submodule, "reset_parameters", None) \
-                or getattr(submodule, "_reset_parameters", None)
-            if callable(reset):
-                reset()
+            reset_module(submodule)
+
+
+def reset_module(module: nn.Module) -> None:
+    """Run ``module``'s own ``reset_parameters()`` (not its children's), if it has one."""
+    # torch's own nn.MultiheadAttention only has the private name.
+    reset = getattr(module, "reset_parameters", None) \
+        or getattr(module, "_reset_parameters", None)
+    if callable(reset):
+        reset()
 
 
 def find_uninitialized(name: str, module: nn.Module) -> list[str]:
