@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from collections.abc import Iterable, Mapping
@@ -9,14 +10,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from dream_trainer.callbacks.collection import CallbackCollection
+from dream_trainer.configs.device import pipeline_layout
 from dream_trainer.configs.training import TrainingParameters
 from dream_trainer.parallel.data_parallel import DataParallelBackend, backend_for
 from dream_trainer.parallel.grad_norm import clip_grad_norm
+from dream_trainer.parallel.pipeline import PipelineStages
+from dream_trainer.parallel.pipeline_schedule import LossFn
 from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainer, AbstractTrainerConfig, StopTraining
 from dream_trainer.trainer.item_weighting import ItemWeighting
@@ -24,6 +28,7 @@ from dream_trainer.utils.averaging import ResultAverager
 from dream_trainer.utils.batch import move_to_device
 from dream_trainer.utils.dataloader import (epoch_batches, has_resumable_sampler,
                                             numbered_batches, set_sampler_epoch)
+from dream_trainer.world.dims import MeshAxis
 from dream_trainer.world.world import DistributedWorld
 
 logger = logging.getLogger(__name__)
@@ -36,6 +41,25 @@ class BaseTrainerConfig(AbstractTrainerConfig):
     """Epochs, batch sizes, accumulation, validation cadence, clipping."""
     callbacks: CallbackCollection = Field(default_factory=CallbackCollection)
     """Callbacks whose hooks run during ``fit()``, in this order."""
+
+    @model_validator(mode="after")
+    def _check_pipeline_batches(self) -> BaseTrainerConfig:
+        # Batch sizes live apart from the pipeline settings, so their fit is checked here; a
+        # degree of "auto" is checked on the first batch instead (see PipelineRunner).
+        params = self.device_parameters
+        if params.pipeline_parallel in (1, "auto"):
+            return self
+        _, microbatches = pipeline_layout(params, params.pipeline_parallel)
+        for field in ("train_batch_size", "val_batch_size"):
+            size = getattr(self.training_parameters, field)
+            if size % microbatches:
+                raise ValueError(
+                    f"training_parameters.{field}={size} does not split into "
+                    f"device_parameters.pipeline_microbatches={microbatches} (pipeline "
+                    f"microbatches are equal slices of each batch): make {field} a multiple "
+                    f"of {microbatches}, or set pipeline_microbatches to a divisor of it"
+                )
+        return self
 
 
 class BaseTrainer(AbstractTrainer):
@@ -280,6 +304,13 @@ class BaseTrainer(AbstractTrainer):
         """
         if not self.training:
             raise RuntimeError("backward() may only be called inside training_step")
+        if self.world.dims.pp > 1:
+            raise RuntimeError(
+                "backward() cannot run under pipeline_parallel > 1: the pipeline schedule runs "
+                "forward and backward stage by stage. Replace `loss = loss_fn(self.model(x), "
+                "y); self.backward(loss)` with `loss = self.forward_backward(self.model, x, "
+                "target=y, loss_fn=loss_fn)`, which does the same without a pipeline"
+            )
         if num_items is None:
             self.item_weighting.note_unweighted()
             accumulation = self.training_parameters.gradient_accumulation_steps
@@ -287,6 +318,76 @@ class BaseTrainer(AbstractTrainer):
         else:
             self.item_weighting.add(num_items)
         self.precision.scale(loss).backward()
+
+    def forward_backward(self, model: nn.Module, *inputs: Any, target: Any, loss_fn: LossFn,
+                         num_items: int | torch.Tensor | None = None) -> torch.Tensor:
+        """Compute ``loss_fn(model(*inputs), target)`` and backpropagate it, with or without a
+        pipeline.
+
+        Without a pipeline this is ``loss = loss_fn(model(*inputs), target)`` then
+        ``backward(loss, num_items)``. Under ``pipeline_parallel > 1`` it runs the schedule:
+        the inputs feed the first stage and the target the last, each is split into
+        ``pipeline_microbatches`` along dim 0, and ``loss_fn`` runs per microbatch on the last
+        stage; the gradients are those of the whole micro-batch, accumulated as
+        ``backward()`` would. With ``loss_parallel`` the loss runs inside torch's
+        ``loss_parallel()``.
+
+        Args:
+            model: The model (under a pipeline, its ``PipelineStages``).
+            *inputs: The model's positional inputs.
+            target: The second argument of ``loss_fn``.
+            loss_fn: ``loss_fn(output, target) -> loss``: a mean over the batch, or a sum over
+                ``num_items`` items when ``num_items`` is given.
+            num_items: As for ``backward()``.
+
+        Returns:
+            The loss, detached: ``loss_fn``'s value on the whole micro-batch (under a
+            pipeline the mean of the microbatch losses, or their sum with ``num_items``), the
+            same on every rank, without a host sync.
+
+        Raises:
+            RuntimeError: if called outside a training step.
+            ValueError: if the batch does not split into the pipeline's microbatches.
+        """
+        if not self.training:
+            raise RuntimeError("forward_backward() may only be called inside training_step")
+        with self._loss_context():
+            if not isinstance(model, PipelineStages):
+                loss = loss_fn(model(*inputs), target)
+                self.backward(loss, num_items=num_items)
+                return loss.detach()
+            if num_items is None:
+                self.item_weighting.note_unweighted()
+                scale = 1.0 / self.training_parameters.gradient_accumulation_steps
+            else:
+                self.item_weighting.add(num_items)
+                scale = 1.0
+            return model.run(inputs, target, loss_fn, scale, num_items is not None)
+
+    def forward_loss(self, model: nn.Module, *inputs: Any, target: Any, loss_fn: LossFn,
+                     num_items: int | torch.Tensor | None = None) -> torch.Tensor:
+        """``forward_backward`` without the backward and without gradients, for
+        ``validation_step``: the same loss on every rank, under a pipeline or not.
+
+        Args:
+            model, inputs, target, loss_fn: As for ``forward_backward``.
+            num_items: Given when ``loss_fn`` returns a sum (the microbatch losses are then
+                added up, as in ``forward_backward``); not otherwise used.
+
+        Raises:
+            ValueError: if the batch does not split into the pipeline's microbatches.
+        """
+        with torch.no_grad(), self._loss_context():
+            if not isinstance(model, PipelineStages):
+                return loss_fn(model(*inputs), target).detach()
+            return model.run(inputs, target, loss_fn, None, num_items is not None)
+
+    def _loss_context(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.config.device_parameters.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: LRScheduler | None = None) -> torch.Tensor:
@@ -320,7 +421,9 @@ class BaseTrainer(AbstractTrainer):
             self.item_weighting.scale_gradients(
                 model.parameters(), None if dp_mesh is None else dp_mesh.get_group(),
                 self.world.dp_size)
-        grad_norm = clip_grad_norm(model.parameters(), self.training_parameters.gradient_clip_val)
+        pp_mesh = self.world.get_mesh(MeshAxis.PP)
+        grad_norm = clip_grad_norm(model.parameters(), self.training_parameters.gradient_clip_val,
+                                   pipeline_group=None if pp_mesh is None else pp_mesh.get_group())
         self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         if scheduler is None:
