@@ -43,18 +43,27 @@ class TrainingState:
     so they are keyed by parameter name and sharded as the model is (DDP, FSDP2, TP), which
     lets DCP load them into a different number of ranks.
 
+    Optimizer states are flattened (one entry per parameter and setting, e.g.
+    ``param_groups.layers.0.w.lr``) when ``flat_optimizers``: pipeline stages hold different
+    parameters, and DCP keeps only one rank's copy of a nested ``param_groups`` list, so the
+    other stages would load foreign groups. Runs without a pipeline keep the nested form.
+
     Args:
         trainer: The trainer whose state this is.
         weights_only: Only the models (fine-tuning from another run).
         with_rng: Include this rank's generator state (absent when loading a checkpoint
             written by fewer ranks).
+        flat_optimizers: Save (or load) optimizer states in the flattened form; by default
+            when the trainer runs a pipeline.
     """
 
     def __init__(self, trainer: AbstractTrainer, weights_only: bool = False,
-                 with_rng: bool = True) -> None:
+                 with_rng: bool = True, flat_optimizers: bool | None = None) -> None:
         self.trainer = trainer
         self.weights_only = weights_only
         self.with_rng = with_rng and not weights_only
+        self.flat_optimizers = trainer.world.dims.pp > 1 if flat_optimizers is None \
+            else flat_optimizers
         self.loaded_rng: dict[str, Any] | None = None
         self.resumed_mid_epoch = False
 
@@ -70,8 +79,10 @@ class TrainingState:
                                             for name, model in trainer.named_models().items()}}
         if self.weights_only:
             return state
+        options = self._options()
         state["optimizers"] = {
-            name: get_optimizer_state_dict(optimizer_owner(trainer, name, opt), opt)
+            name: get_optimizer_state_dict(optimizer_owner(trainer, name, opt), opt,
+                                           options=options)
             for name, opt in trainer.named_optimizers().items()}
         state["schedulers"] = {name: scheduler.state_dict()
                                for name, scheduler in trainer.named_schedulers().items()}
@@ -90,12 +101,18 @@ class TrainingState:
             set_model_state_dict(model, state_dict["models"][name])
         if self.weights_only:
             return
+        options = self._options()
         for name, optimizer in trainer.named_optimizers().items():
             set_optimizer_state_dict(optimizer_owner(trainer, name, optimizer), optimizer,
-                                     state_dict["optimizers"][name])
+                                     state_dict["optimizers"][name], options=options)
         for name, scheduler in trainer.named_schedulers().items():
             scheduler.load_state_dict(state_dict["schedulers"][name])
         trainer.load_state_dict(state_dict["trainer"])
         trainer.load_extra_state_dict(state_dict.get("extra", {}))
         self.resumed_mid_epoch = int(state_dict["trainer"].get("batch_in_epoch", 0)) > 0
         self.loaded_rng = state_dict.get(rng_key(trainer.world.rank))
+
+    def _options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=self.flat_optimizers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -331,9 +332,15 @@ class CheckpointMixin(AbstractTrainer):
         except Exception as exc:
             raise CheckpointError(f"cannot read {path / '.metadata'}: {exc}") from exc
         verify_files(path, metadata)
-        with_rng = any(key.startswith(f"state.{rng_key(self.world.rank)}.")
-                       for key in metadata.state_dict_metadata)
-        state = TrainingState(self, weights_only=weights_only, with_rng=with_rng)
+        keys = metadata.state_dict_metadata
+        with_rng = any(key.startswith(f"state.{rng_key(self.world.rank)}.") for key in keys)
+        # A pipeline run saves optimizers flattened (see TrainingState); the nested form lists
+        # each group's parameter names under param_groups.<index>.params. Read them as saved.
+        nested = any(re.fullmatch(r"state\.optimizers\.[^.]+\.param_groups\.\d+\.params", key)
+                     for key in keys)
+        flat = not nested and any(key.startswith("state.optimizers.") for key in keys)
+        state = TrainingState(self, weights_only=weights_only, with_rng=with_rng,
+                              flat_optimizers=flat)
         _check_shapes(path, state, metadata)
         try:
             _dcp().load({"state": state}, storage_reader=reader,
