@@ -10,6 +10,7 @@ import torch
 
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.parallel.materialize import any_rank_failed
+from dream_trainer.parallel.pipeline import PipelineStages
 from dream_trainer.trainer.abstract import AbstractTrainer
 
 
@@ -79,18 +80,32 @@ class EvalMixin(AbstractTrainer):
 
     # -- computing -------------------------------------------------------------------------
     def compute_metrics(self) -> dict[str, float]:
-        """Compute every metric over all data-parallel ranks, then reset it (collective)."""
+        """Compute every metric over all data-parallel ranks, then reset it (collective).
+
+        Under a pipeline only the ranks holding the last stage see outputs (update metrics
+        inside ``loss_fn``): they compute, and every other stage receives their values.
+        """
+        pipeline = next((model for model in self.named_models().values()
+                         if isinstance(model, PipelineStages)), None)
         values: dict[str, float] = {}
         for attribute, metric in self.named_metrics().items():
             updated = any(leaf.update_count > 0 for leaf in _leaves(metric))
-            # Every rank must take part in the sync, so decide together.
-            if any_rank_failed(updated, self.world.device):
+            # Every rank that syncs must take part, so decide together.
+            if pipeline is not None:
+                dp_mesh = self.world.dp_mesh
+                compute = pipeline.has_last_stage and any_rank_failed(
+                    updated, self.world.device, None if dp_mesh is None else dp_mesh.get_group())
+            else:
+                compute = any_rank_failed(updated, self.world.device)
+            if compute:
                 computed = metric.compute()
                 if not isinstance(computed, dict):
                     computed = {type(metric).__name__: computed}
                 for name, value in computed.items():
                     values[f"{attribute}/{name}"] = _scalar(value)
             metric.reset()
+        if pipeline is not None:
+            values = pipeline.runner.from_last_stage(values)
         return values
 
     def evaluate(self, dataloader: Iterable[Any] | None = None) -> dict[str, float]:

@@ -100,11 +100,13 @@ def find_uninitialized(name: str, module: nn.Module) -> list[str]:
     return bad
 
 
-def any_rank_failed(failed: bool, device: torch.device) -> bool:
-    """True on every rank when ``failed`` is True on any rank (one all-reduce)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def any_rank_failed(failed: bool, device: torch.device,
+                    group: dist.ProcessGroup | None = None) -> bool:
+    """True on every rank of ``group`` (default: all) when ``failed`` is True on any of them
+    (one all-reduce)."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return failed
     # gloo cannot all-reduce bool, so int32.
     flag = torch.tensor([int(failed)], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())

@@ -14,19 +14,24 @@ from dream_trainer.configs.device import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(output, target) -> loss``, called on the last stage once per microbatch."""
 
+# Schedules kept per runner, for as many distinct (mode, input shapes): each first call
+# re-infers shapes with an extra forward and backward, so batches alternating between a few
+# shapes should not rebuild every time.
+_KEPT_SCHEDULES = 4
+
 
 class _LossSlot:
     """The loss function the schedules are built with, standing for the current call's.
 
     A schedule fixes its loss function at construction, while the step API takes one per
-    call; this slot forwards to the current one, keeps each microbatch's loss (detached, for
-    the value returned), and returns it multiplied by the gradient scale for backward.
+    call; this slot forwards to the current one and returns its loss multiplied by the
+    gradient scale for backward, remembering the unscaled value of each loss it returned.
     """
 
     def __init__(self) -> None:
         self.loss_fn: LossFn | None = None
         self.scale = 1.0
-        self.losses: list[torch.Tensor] = []
+        self._unscaled: dict[int, torch.Tensor] = {}
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
         if self.loss_fn is None:
@@ -34,8 +39,19 @@ class _LossSlot:
         loss = self.loss_fn(output, target)
         value = loss.detach()
         full_tensor = getattr(value, "full_tensor", None)  # loss_parallel returns a DTensor
-        self.losses.append((full_tensor() if callable(full_tensor) else value).float())
-        return loss * self.scale if self.scale != 1.0 else loss
+        scaled = loss * self.scale if self.scale != 1.0 else loss
+        self._unscaled[id(scaled)] = (full_tensor() if callable(full_tensor) else value).float()
+        return scaled
+
+    def unscaled(self, returned: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The unscaled values of the losses the schedule reports, and forget them all.
+
+        A schedule's first call also runs the loss once to infer gradient shapes; only the
+        losses it reports were part of the step.
+        """
+        values = [self._unscaled[id(loss)] for loss in returned]
+        self._unscaled.clear()
+        return values
 
 
 class PipelineRunner:
@@ -68,7 +84,7 @@ class PipelineRunner:
         self.last_stage_rank = 0 if schedule in V_SCHEDULES else pp_mesh.size() - 1
         self.device = device
         self._slot = _LossSlot()
-        self._schedules: dict[bool, tuple[tuple[Any, ...], Any]] = {}
+        self._schedules: dict[tuple[Any, ...], Any] = {}
 
     def run(self, stages: Sequence[nn.Module], inputs: tuple[Any, ...], target: Any,
             loss_fn: LossFn, loss_scale: float | None, sum_losses: bool) -> torch.Tensor:
@@ -93,20 +109,24 @@ class PipelineRunner:
         n = self.microbatches
         self._check_split(inputs, target)
         training = loss_scale is not None
-        schedule = self._schedule(stages, training, inputs, target) \
-            if training or self.schedule_name not in V_SCHEDULES else None
         slot = self._slot
-        slot.loss_fn, slot.losses = loss_fn, []
+        slot.loss_fn = loss_fn
         slot.scale = 1.0 if loss_scale is None else (loss_scale if sum_losses else loss_scale / n)
         args = tuple(inputs) if 0 in self.stage_ids else ()
         has_last = self.num_stages - 1 in self.stage_ids
+        returned: list[torch.Tensor] = []
         try:
-            if training:
-                schedule.step(*args, target=target if has_last else None, return_outputs=False)
-            elif self.schedule_name in V_SCHEDULES:
-                self._forward_only(stages, inputs, target)
+            if not training and self.schedule_name in V_SCHEDULES:
+                returned = self._forward_only(stages, inputs, target)
             else:
-                schedule.eval(*args, target=target if has_last else None, return_outputs=False)
+                schedule, fresh = self._schedule(stages, training, inputs, target)
+                # A new schedule's first call infers shapes with a backward of its own, after
+                # which torch clears FSDP gradients: keep those of earlier micro-batches.
+                kept = _take_gradients(stages) if training and fresh else []
+                run = schedule.step if training else schedule.eval
+                run(*args, target=target if has_last else None, losses=returned,
+                    return_outputs=False)
+                _restore_gradients(kept)
         except TypeError as exc:
             if "'NoneType' object is not callable" in str(exc):
                 raise TypeError(
@@ -117,7 +137,8 @@ class PipelineRunner:
                 ) from exc
             raise
         finally:
-            losses, slot.losses, slot.loss_fn = slot.losses, [], None
+            slot.loss_fn = None
+        losses = slot.unscaled(returned)
         if has_last:
             total = torch.stack(losses).sum()
             if not sum_losses:
@@ -128,7 +149,7 @@ class PipelineRunner:
         return total
 
     def _forward_only(self, stages: Sequence[nn.Module], inputs: tuple[Any, ...],
-                      target: Any) -> None:
+                      target: Any) -> list[torch.Tensor]:
         """Run each microbatch through the stages in order, forward only, with blocking sends.
 
         torch 2.13's ``eval()`` of the V schedules fails: when a rank holds two consecutive
@@ -140,6 +161,7 @@ class PipelineRunner:
         me = dist.get_rank(self.group)
         input_chunks = list(zip(*(_split(value, n) for value in inputs))) or [()] * n
         target_chunks = _split(target, n)
+        losses = []
         for mb in range(n):
             carried: Any = None
             for stage in range(self.num_stages):
@@ -152,10 +174,11 @@ class PipelineRunner:
                         carried = self._receive(self._holder(stage - 1))
                     output = modules[stage](carried)
                 if stage == self.num_stages - 1:
-                    self._slot(output, target_chunks[mb])
+                    losses.append(self._slot(output, target_chunks[mb]))
                 elif self._holder(stage + 1) != me:
                     self._send(output, self._holder(stage + 1))
                 carried = output
+        return losses
 
     def _holder(self, stage: int) -> int:
         """The pipeline rank that holds ``stage`` (V placement)."""
@@ -178,6 +201,13 @@ class PipelineRunner:
         dist.recv(tensor, group=self.group, group_src=peer)
         return tensor
 
+    def from_last_stage(self, values: dict[str, float]) -> dict[str, float]:
+        """``values`` as the ranks holding the last stage have them, on every stage."""
+        box: list[Any] = [values]
+        dist.broadcast_object_list(box, group=self.group, group_src=self.last_stage_rank,
+                                   device=self.device)
+        return dict(box[0])
+
     def release(self) -> None:
         """Drop the schedules (and their stages' references to modules and groups)."""
         self._schedules.clear()
@@ -193,11 +223,12 @@ class PipelineRunner:
                 )
 
     def _schedule(self, stages: Sequence[nn.Module], training: bool, inputs: tuple[Any, ...],
-                  target: Any) -> Any:
-        key = (_shapes(inputs), _shapes((target,)))
-        cached = self._schedules.get(training)
-        if cached is not None and cached[0] == key:
-            return cached[1]
+                  target: Any) -> tuple[Any, bool]:
+        """The schedule for this mode and these shapes, and whether it was just built."""
+        key = (training, _shapes(inputs), _shapes((target,)))
+        if key in self._schedules:
+            self._schedules[key] = self._schedules.pop(key)  # most recently used last
+            return self._schedules[key], False
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
@@ -211,8 +242,10 @@ class PipelineRunner:
             else pipeline_stages,
             n_microbatches=self.microbatches, loss_fn=self._slot, scale_grads=False,
         )
-        self._schedules[training] = (key, schedule)
-        return schedule
+        if len(self._schedules) >= _KEPT_SCHEDULES:
+            del self._schedules[next(iter(self._schedules))]
+        self._schedules[key] = schedule
+        return schedule, True
 
 
 def _shapes(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -225,3 +258,20 @@ def _split(value: Any, n: int) -> list[Any]:
     if isinstance(value, torch.Tensor) and value.dim():
         return list(value.tensor_split(n))
     return [value] * n
+
+
+def _take_gradients(stages: Sequence[nn.Module]) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """Detach every existing gradient of ``stages`` from its parameter, to restore later."""
+    kept = []
+    for stage in stages:
+        for param in stage.parameters():
+            if param.grad is not None:
+                kept.append((param, param.grad))
+                param.grad = None
+    return kept
+
+
+def _restore_gradients(kept: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """Add the gradients ``_take_gradients`` kept back onto what accumulated since."""
+    for param, grad in kept:
+        param.grad = grad if param.grad is None else param.grad + grad
