@@ -114,7 +114,8 @@ class DeviceParameters(ConfigModel):
     """Data-parallel replicas (DDP, or the replicate axis of HSDP). When not given it is
     ``"auto"`` unless another degree is, so the default is data parallel over every rank."""
     dp_shard: Degree = 1
-    """Data-parallel shards (FSDP2)."""
+    """Data-parallel shards (FSDP2). When neither this nor ``dp_replicate`` is given and
+    ``pipeline_parallel > 1``, it is ``"auto"``: a pipeline's spare ranks shard its stages."""
     context_parallel: Degree = 1
     """Context-parallel degree (not supported yet: must be 1)."""
     tensor_parallel: Degree = 1
@@ -158,7 +159,13 @@ class DeviceParameters(ConfigModel):
     def _default_replicate(cls, data: Any) -> Any:
         if isinstance(data, dict) and "dp_replicate" not in data:
             other_auto = any(data.get(name) == "auto" for name in _DEGREE_FIELDS)
-            return {**data, "dp_replicate": 1 if other_auto else "auto"}
+            if other_auto:
+                return {**data, "dp_replicate": 1}
+            # Pipeline stages cannot be DDP-wrapped (see _check_pipeline): a pipeline's
+            # spare ranks shard its stages instead, as torchtitan's do.
+            if str(data.get("pipeline_parallel", 1)) != "1" and "dp_shard" not in data:
+                return {**data, "dp_replicate": 1, "dp_shard": "auto"}
+            return {**data, "dp_replicate": "auto"}
         return data
 
     @model_validator(mode="after")
@@ -194,6 +201,16 @@ class DeviceParameters(ConfigModel):
             # stages would drift apart.
             raise ValueError("pipeline_parallel > 1 cannot run with param_dtype=float16 (its "
                              "gradient scaler would skip steps stage by stage): use bfloat16")
+        if self.dp_replicate != 1 and self.dp_shard == 1:
+            # torch 2.13's pipeline stages fail inside DDP's reducer from the second
+            # micro-batch on; FSDP2 (and HSDP) stages work.
+            raise ValueError(
+                f"pipeline_parallel={self.pipeline_parallel!r} with dp_replicate="
+                f"{self.dp_replicate!r} would wrap pipeline stages in DDP, which torch's "
+                "pipelining cannot run: shard them instead with dp_shard (FSDP2), or "
+                "dp_shard with dp_replicate (HSDP); leaving both unset shards over the "
+                "remaining ranks"
+            )
         if self.pipeline_parallel == "auto":
             return  # the rest depends on the degree: checked once the world size is known
         problem = pipeline_problem(self.pipeline_schedule, self.pipeline_parallel,

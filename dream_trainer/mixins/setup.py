@@ -275,6 +275,7 @@ class SetupMixin(AbstractTrainer):
         if replicate:
             container.stages = [self._on_stage(name, stage, self._apply_replicate)
                                 for stage in container.stages]
+            setattr(self, name, container)
 
     def _on_stage(self, name: str, stage: nn.Module, hooks: Any) -> nn.Module:
         """Run ``hooks()`` with the model attribute bound to ``stage``; return what the hooks
