@@ -318,6 +318,24 @@ class PipelineStages(nn.Module):
         return f"stages={self.stage_ids} of {self.num_stages}"
 
 
+def describe_stage(stage: nn.Module) -> str:
+    """What a stage runs, in the model's names: ``"embed, layers.0-1"``."""
+    parts = []
+    for name, child in _unwrap(stage).named_children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            held = [key for key, entry in child._modules.items() if entry is not None]
+            if held == list(child._modules):
+                parts.append(name)
+            elif held:
+                numbered = all(key.isdigit() for key in held) and \
+                    [int(key) for key in held] == list(range(int(held[0]), int(held[-1]) + 1))
+                parts.append(f"{name}.{held[0]}-{held[-1]}" if numbered and len(held) > 1
+                             else ", ".join(f"{name}.{key}" for key in held))
+        else:
+            parts.append(name)
+    return ", ".join(parts) or "(nothing)"
+
+
 def _unwrap(module: nn.Module) -> nn.Module:
     """The model-class module inside a DDP or torch.compile wrapper."""
     while True:
