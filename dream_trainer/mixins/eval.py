@@ -67,6 +67,12 @@ class EvalMixin(AbstractTrainer):
                 # and not at all when there is a single data-parallel rank.
                 leaf.process_group = None if mesh is None else mesh.get_group()
                 leaf.sync_on_compute = mesh is not None
+                if mesh is None:
+                    # A metric fed with update() keeps the sync decision it was built with
+                    # (sync_on_compute takes effect through forward() only), so the sync is
+                    # switched off where it is checked; otherwise compute() would gather over
+                    # every rank, which under a pipeline only the last stage reaches.
+                    leaf.distributed_available_fn = _never
         super().post_setup()
 
     def pre_val_epoch(self) -> None:
@@ -92,9 +98,10 @@ class EvalMixin(AbstractTrainer):
             updated = any(leaf.update_count > 0 for leaf in _leaves(metric))
             # Every rank that syncs must take part, so decide together.
             if pipeline is not None:
+                # Decided among the last stage's data-parallel ranks, which sync its states.
                 dp_mesh = self.world.dp_mesh
-                compute = pipeline.has_last_stage and any_rank_failed(
-                    updated, self.world.device, None if dp_mesh is None else dp_mesh.get_group())
+                compute = pipeline.has_last_stage and (updated if dp_mesh is None else any_rank_failed(
+                    updated, self.world.device, dp_mesh.get_group()))
             else:
                 compute = any_rank_failed(updated, self.world.device)
             if compute:
@@ -125,6 +132,10 @@ class EvalMixin(AbstractTrainer):
             raise ValueError("evaluate() needs a dataloader: pass one, or return a validation "
                              "loader from configure_dataloaders")
         return self.run_validation(loader)
+
+
+def _never() -> bool:
+    return False
 
 
 def _leaves(metric: Any) -> list[Any]:
