@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dream_trainer.configs.device import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
+from dream_trainer.parallel.dtensor import full_value
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(output, target) -> loss``, called on the last stage once per microbatch."""
@@ -37,10 +38,9 @@ class _LossSlot:
         if self.loss_fn is None:
             raise RuntimeError("the pipeline ran its loss outside forward_backward/forward_loss")
         loss = self.loss_fn(output, target)
-        value = loss.detach()
-        full_tensor = getattr(value, "full_tensor", None)  # loss_parallel returns a DTensor
         scaled = loss * self.scale if self.scale != 1.0 else loss
-        self._unscaled[id(scaled)] = (full_tensor() if callable(full_tensor) else value).float()
+        # Under loss_parallel the loss is a (replicated) DTensor.
+        self._unscaled[id(scaled)] = full_value(loss.detach()).float()
         return scaled
 
     def unscaled(self, returned: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ from dream_trainer.callbacks.collection import CallbackCollection
 from dream_trainer.configs.device import pipeline_layout
 from dream_trainer.configs.training import TrainingParameters
 from dream_trainer.parallel.data_parallel import DataParallelBackend, backend_for
+from dream_trainer.parallel.dtensor import full_value
 from dream_trainer.parallel.grad_norm import clip_grad_norm
 from dream_trainer.parallel.pipeline import PipelineStages
 from dream_trainer.parallel.pipeline_schedule import LossFn
@@ -355,7 +356,7 @@ class BaseTrainer(AbstractTrainer):
             if not isinstance(model, PipelineStages):
                 loss = loss_fn(model(*inputs), target)
                 self.backward(loss, num_items=num_items)
-                return loss.detach()
+                return full_value(loss.detach())  # a DTensor under loss_parallel
             if num_items is None:
                 self.item_weighting.note_unweighted()
                 scale = 1.0 / self.training_parameters.gradient_accumulation_steps
@@ -379,7 +380,7 @@ class BaseTrainer(AbstractTrainer):
         """
         with torch.no_grad(), self._loss_context():
             if not isinstance(model, PipelineStages):
-                return loss_fn(model(*inputs), target).detach()
+                return full_value(loss_fn(model(*inputs), target).detach())
             return model.run(inputs, target, loss_fn, None, num_items is not None)
 
     def _loss_context(self) -> contextlib.AbstractContextManager[Any]:
