@@ -103,7 +103,7 @@ class SetupMixin(AbstractTrainer):
     def apply_pipeline_parallel(self, pp_mesh: DeviceMesh) -> list[nn.Module]:
         """Split the model into pipeline stages; return this rank's, one per ``stage_ids``.
 
-        The default is ``split_model(model, stage_ids(pp_mesh, params), num_stages)``: the
+        The default is ``split_model(model, stage_ids(...), num_stages)``: the
         blocks ``find_blocks`` finds are split evenly, modules before them go to the first
         stage and after them to the last, and everything of other stages is set to None,
         so the model's ``forward`` must skip None modules. Override it for a model that does
@@ -113,10 +113,11 @@ class SetupMixin(AbstractTrainer):
             pp_mesh: The pipeline mesh.
 
         Returns:
-            One module per stage in ``stage_ids(pp_mesh, device_parameters)``, in that order.
+            One module per stage in ``stage_ids(pp_mesh.get_local_rank(), pp_mesh.size(),
+            device_parameters)``, in that order.
         """
         params = self.config.device_parameters
-        ids = stage_ids(pp_mesh, params)
+        ids = stage_ids(pp_mesh.get_local_rank(), pp_mesh.size(), params)
         num_stages = pp_mesh.size() * pipeline_layout(params, pp_mesh.size())[0]
         return split_model(getattr(self, _pipelined_model(self)), ids, num_stages)
 
@@ -254,7 +255,7 @@ class SetupMixin(AbstractTrainer):
         pp_mesh = self.world.get_mesh(MeshAxis.PP)
         assert pp_mesh is not None
         params = self.config.device_parameters
-        ids = stage_ids(pp_mesh, params)
+        ids = stage_ids(pp_mesh.get_local_rank(), pp_mesh.size(), params)
         per_rank, microbatches = pipeline_layout(params, pp_mesh.size())
         stages = self.apply_pipeline_parallel(pp_mesh)
         if len(stages) != len(ids):

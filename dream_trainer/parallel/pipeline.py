@@ -28,8 +28,6 @@ from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.materialize import reset_module
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
     from dream_trainer.parallel.pipeline_schedule import PipelineRunner
 
 # Attributes under which torch.compile and activation checkpointing nest the module they
@@ -37,18 +35,19 @@ if TYPE_CHECKING:
 _WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
 
 
-def stage_ids(pp_mesh: DeviceMesh, params: DeviceParameters) -> list[int]:
-    """The pipeline stages this rank holds, in increasing order.
+def stage_ids(pp_rank: int, pp_size: int, params: DeviceParameters) -> list[int]:
+    """The pipeline stages a pipeline rank holds, in increasing order.
 
     Stage ``s`` of ``p * v`` runs on pipeline rank ``s % p`` ("loop" placement), except for
     the V schedules (ZBVZeroBubble, DualPipeV), where rank ``r`` holds stages ``r`` and
     ``2p - 1 - r``, so the first and last stages share rank 0.
 
     Args:
-        pp_mesh: The pipeline mesh (one dimension).
+        pp_rank: The rank in the pipeline (``pp_mesh.get_local_rank()``).
+        pp_size: The pipeline degree (``pp_mesh.size()``).
         params: The device parameters naming the schedule and stages per rank.
     """
-    degree, rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    degree, rank = pp_size, pp_rank
     per_rank, _ = pipeline_layout(params, degree)
     if params.pipeline_schedule in V_SCHEDULES:
         return [rank, 2 * degree - 1 - rank]

@@ -20,7 +20,7 @@ from tests.helpers.transformer import TinyTransformer
 
 
 class FakeMesh:
-    """What stage_ids and PipelineRunner read from a pipeline mesh."""
+    """What PipelineRunner reads from a pipeline mesh."""
 
     def __init__(self, size: int, rank: int) -> None:
         self._size, self._rank = size, rank
@@ -54,7 +54,7 @@ def meta_transformer(layers: int) -> nn.Module:
 def test_stage_ids_follow_the_schedules_placement(schedule: str, size: int, rank: int,
                                                   expected: list[int]) -> None:
     params = DeviceParameters(pipeline_parallel=size, pipeline_schedule=schedule)
-    assert stage_ids(FakeMesh(size, rank), params) == expected  # type: ignore[arg-type]
+    assert stage_ids(rank, size, params) == expected
 
 
 def test_the_default_split_keeps_every_name_and_sets_other_stages_to_none() -> None:
