@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from dream_trainer.configs.device import V_SCHEDULES, DeviceParameters, pipeline_layout
 from dream_trainer.parallel.blocks import find_blocks
@@ -57,6 +58,7 @@ def stage_ids(pp_rank: int, pp_size: int, params: DeviceParameters) -> list[int]
 class _StageSequential(nn.Sequential):
     """``nn.Sequential`` whose forward skips the entries that other stages run (None)."""
 
+    @override
     def forward(self, input: Any) -> Any:
         for module in self:
             if module is not None:
@@ -264,11 +266,12 @@ class PipelineStages(nn.Module):
             order of ``stage_ids``.
         stage_ids: The stage index of each module.
         num_stages: The total number of stages.
-        runner: What runs the schedule over these stages.
+        runner: What runs the schedule over these stages; None for a container that only
+            holds them (``run`` is then an error).
     """
 
     def __init__(self, stages: Sequence[nn.Module], stage_ids: Sequence[int], num_stages: int,
-                 runner: PipelineRunner) -> None:
+                 runner: PipelineRunner | None = None) -> None:
         super().__init__()
         # A plain list, not a ModuleList: the stages' modules are registered once, through
         # the merged tree, under their own names.
@@ -288,6 +291,7 @@ class PipelineStages(nn.Module):
         """True on the rank that holds the last stage (it computes the loss)."""
         return self.num_stages - 1 in self.stage_ids
 
+    @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
             "under pipeline_parallel > 1 the model runs stage by stage through the pipeline "
@@ -297,15 +301,25 @@ class PipelineStages(nn.Module):
 
     def run(self, inputs: tuple[Any, ...], target: Any, loss_fn: Any,
             loss_scale: float | None, sum_losses: bool) -> torch.Tensor:
-        """Run one micro-batch through the schedule (see ``PipelineRunner.run``)."""
+        """Run one micro-batch through the schedule (see ``PipelineRunner.run``); the step
+        API's ``forward_backward``/``forward_loss`` call it.
+
+        Raises:
+            RuntimeError: if the container has no runner.
+        """
+        if self.runner is None:
+            raise RuntimeError("this PipelineStages was built without a runner: it holds "
+                               "stages but cannot run a schedule")
         return self.runner.run(self.stages, inputs, target, loss_fn, loss_scale, sum_losses)
 
     def release(self) -> None:
         """Drop the schedules and unwrap DDP stages, so no process group outlives ``fit()``."""
-        self.runner.release()
+        if self.runner is not None:
+            self.runner.release()
         self.stages = [stage.module if isinstance(stage, DistributedDataParallel) else stage
                        for stage in self.stages]
 
+    @override
     def train(self, mode: bool = True) -> PipelineStages:
         super().train(mode)
         # The stage modules themselves (the model's class) are outside the merged tree.
@@ -313,6 +327,7 @@ class PipelineStages(nn.Module):
             stage.train(mode)
         return self
 
+    @override
     def extra_repr(self) -> str:
         return f"stages={self.stage_ids} of {self.num_stages}"
 

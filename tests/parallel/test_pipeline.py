@@ -119,7 +119,7 @@ def test_materialized_stages_hold_the_one_process_weights() -> None:
     stages = split_model(copy.deepcopy(reference), [0, 1], 2)
     materialize_stages(reference, stages, torch.device("cpu"))
     after_stages = torch.rand(3)
-    container = PipelineStages(stages, [0, 1], 2, runner=None)  # type: ignore[arg-type]
+    container = PipelineStages(stages, [0, 1], 2)
     expected = dict(whole.named_parameters())
     assert dict(container.named_parameters()).keys() == expected.keys()
     for name, param in container.named_parameters():
@@ -133,7 +133,7 @@ def test_the_container_is_the_model_to_optimizers_state_dicts_and_modes() -> Non
     model.register_buffer("scale", torch.ones(2))  # a root buffer every stage keeps
     state = model.state_dict()
     stages = split_model(copy.deepcopy(model), [0, 1], 2)
-    container = PipelineStages(stages, [0, 1], 2, runner=None)  # type: ignore[arg-type]
+    container = PipelineStages(stages, [0, 1], 2)
     assert list(container.state_dict()) == list(state)
     assert container.has_first_stage and container.has_last_stage
     assert container.layers[2] is stages[1].layers[2] and container.head is stages[1].head
