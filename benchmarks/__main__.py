@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import (checkpoint_speed, meta_init_memory, startup, step_overhead,
-                        training_memory)
+from benchmarks import (checkpoint_speed, meta_init_memory, pipeline_steps, startup,
+                        step_overhead, training_memory)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -46,6 +46,8 @@ def sections(quick: bool, lightning_python: str | None) -> dict[str, Callable[[]
         "meta_init_memory": lambda: meta_init_memory.measure(32 if quick else 1024),
         "checkpoint_speed": lambda: checkpoint_speed.measure(8 if quick else 256,
                                                              1 if quick else 5),
+        "pipeline_steps": lambda: pipeline_steps.measure(8 if quick else 60,
+                                                         1 if quick else 3),
         "gpu_throughput": lambda: gpu_result(quick),
     }
 
@@ -74,7 +76,8 @@ def markdown(results: dict[str, Any]) -> str:
         else:
             module = {"step_overhead": step_overhead, "startup": startup,
                       "training_memory": training_memory, "meta_init_memory": meta_init_memory,
-                      "checkpoint_speed": checkpoint_speed}[kind]
+                      "checkpoint_speed": checkpoint_speed,
+                      "pipeline_steps": pipeline_steps}[kind]
             lines += module.markdown(result)
     return "\n".join(lines) + "\n"
 

@@ -84,7 +84,7 @@ def _wrapping(model: nn.Module) -> str:
     from torch.nn.parallel import DistributedDataParallel
 
     modules = model.stages if isinstance(model, PipelineStages) else [model]
-    if any(isinstance(module, DistributedDataParallel) for module in modules):
+    if isinstance(model, DistributedDataParallel):
         wrapping = "DDP"
     elif any(isinstance(sub, FSDPModule) for module in modules for sub in module.modules()):
         wrapping = "FSDP2"

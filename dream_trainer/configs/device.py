@@ -70,6 +70,16 @@ def pipeline_layout(params: DeviceParameters, degree: int) -> tuple[int, int]:
     return stages_per_rank, degree * stages_per_rank if microbatches is None else microbatches
 
 
+def ddp_pipeline_problem(pipeline_parallel: Any, dp_replicate: Any) -> str:
+    """Why DDP replicas of pipeline stages are refused, and what to set instead."""
+    # torch 2.13's pipeline stages fail inside DDP's reducer from the second micro-batch on;
+    # FSDP2 (and HSDP) stages work.
+    return (f"pipeline_parallel={pipeline_parallel!r} with dp_replicate={dp_replicate!r} "
+            "would wrap pipeline stages in DDP, which torch's pipelining cannot run: shard "
+            "them instead with dp_replicate=1 and dp_shard='auto' (FSDP2), or dp_shard with "
+            "dp_replicate (HSDP)")
+
+
 def pipeline_problem(schedule: str, degree: int, stages_per_rank: int,
                      microbatches: int) -> str | None:
     """Why these pipeline settings cannot run together, or None when they can.
@@ -201,16 +211,10 @@ class DeviceParameters(ConfigModel):
             # stages would drift apart.
             raise ValueError("pipeline_parallel > 1 cannot run with param_dtype=float16 (its "
                              "gradient scaler would skip steps stage by stage): use bfloat16")
-        if self.dp_replicate != 1 and self.dp_shard == 1:
-            # torch 2.13's pipeline stages fail inside DDP's reducer from the second
-            # micro-batch on; FSDP2 (and HSDP) stages work.
-            raise ValueError(
-                f"pipeline_parallel={self.pipeline_parallel!r} with dp_replicate="
-                f"{self.dp_replicate!r} would wrap pipeline stages in DDP, which torch's "
-                "pipelining cannot run: shard them instead with dp_shard (FSDP2), or "
-                "dp_shard with dp_replicate (HSDP); leaving both unset shards over the "
-                "remaining ranks"
-            )
+        if isinstance(self.dp_replicate, int) and self.dp_replicate > 1 and self.dp_shard == 1:
+            # An "auto" degree is checked once resolved (it is 1 when the pipeline takes
+            # every rank): see ddp_pipeline_problem.
+            raise ValueError(ddp_pipeline_problem(self.pipeline_parallel, self.dp_replicate))
         if self.pipeline_parallel == "auto":
             return  # the rest depends on the degree: checked once the world size is known
         problem = pipeline_problem(self.pipeline_schedule, self.pipeline_parallel,

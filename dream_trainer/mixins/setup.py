@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 
 from dream_trainer.configs.base import ConfigModel
-from dream_trainer.configs.device import pipeline_layout
+from dream_trainer.configs.device import ddp_pipeline_problem, pipeline_layout
 from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.data_parallel import DDPBackend
 from dream_trainer.parallel.materialize import (FullTensorInit, any_rank_failed,
@@ -47,9 +47,10 @@ class SetupMixin(AbstractTrainer):
     runs, in this order:
 
     0. ``apply_pipeline_parallel(pp_mesh)`` when ``pipeline_parallel > 1``: the model is split
-       into stages, steps 1-4 and 6 run once per stage of this rank (with the model attribute
+       into stages, steps 1-4 run once per stage of this rank (with the model attribute
        bound to that stage), and the model attribute becomes a ``PipelineStages`` holding
-       them; materialization gives the weights a one-process run would have;
+       them; materialization gives the weights a one-process run would have (DDP replicas
+       of stages are refused: they shard with FSDP2);
     1. ``apply_tensor_parallel(tp_mesh)`` when ``tensor_parallel > 1``;
     2. ``apply_activation_checkpointing()`` when ``checkpoint_activations``;
     3. ``apply_compile()`` when ``compile_model``;
@@ -223,7 +224,9 @@ class SetupMixin(AbstractTrainer):
             self._apply_parallelism()
             self._materialize_models()
             if replicate:
-                self._apply_replicate()
+                mesh = self.world.get_mesh(MeshAxis.DP_REPLICATE)
+                assert mesh is not None
+                self.apply_replicate(mesh)
         self._setup_optimizers()
         self._setup_schedulers()
         self._setup_dataloaders()
@@ -242,13 +245,15 @@ class SetupMixin(AbstractTrainer):
         if dims.dp_shard > 1:
             self.apply_fully_shard(self._fully_shard_config())
 
-    def _apply_replicate(self) -> None:
-        mesh = self.world.get_mesh(MeshAxis.DP_REPLICATE)
-        assert mesh is not None
-        self.apply_replicate(mesh)
-
     def _setup_pipeline(self, replicate: bool) -> None:
-        """Split, parallelize each stage, materialize this rank's stages, wrap them."""
+        """Split, parallelize each stage, materialize this rank's stages, wrap them.
+
+        Raises:
+            ValueError: if the data-parallel degree resolved to DDP replicas.
+        """
+        if replicate:
+            raise ValueError(ddp_pipeline_problem(self.world.dims.pp,
+                                                  self.world.dims.dp_replicate))
         name = _pipelined_model(self)
         model = getattr(self, name)
         reference = copy.deepcopy(model) if has_meta_tensors(model) else None
@@ -273,10 +278,6 @@ class SetupMixin(AbstractTrainer):
         container = PipelineStages(stages, ids, pp_mesh.size() * per_rank, runner)
         setattr(self, name, container)
         self._init_weights()
-        if replicate:
-            container.stages = [self._on_stage(name, stage, self._apply_replicate)
-                                for stage in container.stages]
-            setattr(self, name, container)
 
     def _on_stage(self, name: str, stage: nn.Module, hooks: Any) -> nn.Module:
         """Run ``hooks()`` with the model attribute bound to ``stage``; return what the hooks

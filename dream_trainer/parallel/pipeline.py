@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from dream_trainer.configs.device import V_SCHEDULES, DeviceParameters, pipeline_layout
@@ -48,11 +47,10 @@ def stage_ids(pp_rank: int, pp_size: int, params: DeviceParameters) -> list[int]
         pp_size: The pipeline degree (``pp_mesh.size()``).
         params: The device parameters naming the schedule and stages per rank.
     """
-    degree, rank = pp_size, pp_rank
-    per_rank, _ = pipeline_layout(params, degree)
+    per_rank, _ = pipeline_layout(params, pp_size)
     if params.pipeline_schedule in V_SCHEDULES:
-        return [rank, 2 * degree - 1 - rank]
-    return [rank + k * degree for k in range(per_rank)]
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + k * pp_size for k in range(per_rank)]
 
 
 class _StageSequential(nn.Sequential):
@@ -113,9 +111,9 @@ def split_model(model: nn.Module, stage_ids: Sequence[int], num_stages: int) -> 
     owners = _entry_owners(container, [name for _, name, _ in blocks], num_stages)
     stages = []
     for position, stage in enumerate(stage_ids):
-        copy_ = model if position == len(stage_ids) - 1 else copy.deepcopy(model)
-        _prune(copy_, path, owners, stage, num_stages)
-        stages.append(copy_)
+        part = model if position == len(stage_ids) - 1 else copy.deepcopy(model)
+        _prune(part, path, owners, stage, num_stages)
+        stages.append(part)
     return stages
 
 
@@ -313,11 +311,9 @@ class PipelineStages(nn.Module):
         return self.runner.run(self.stages, inputs, target, loss_fn, loss_scale, sum_losses)
 
     def release(self) -> None:
-        """Drop the schedules and unwrap DDP stages, so no process group outlives ``fit()``."""
+        """Drop the schedules (their stages hold process groups), so none outlives ``fit()``."""
         if self.runner is not None:
             self.runner.release()
-        self.stages = [stage.module if isinstance(stage, DistributedDataParallel) else stage
-                       for stage in self.stages]
 
     @override
     def train(self, mode: bool = True) -> PipelineStages:
@@ -351,13 +347,9 @@ def describe_stage(stage: nn.Module) -> str:
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
-    """The model-class module inside a DDP or torch.compile wrapper."""
-    while True:
-        inner = module.module if isinstance(module, DistributedDataParallel) \
-            else getattr(module, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return module
-        module = inner
+    """The model-class module inside a torch.compile wrapper."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else module
 
 
 def _merge_into(target: nn.Module, nodes: list[nn.Module]) -> None:

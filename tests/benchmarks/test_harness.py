@@ -17,7 +17,7 @@ from tests.benchmarks.test_lightning_steps import LIGHTNING_PYTHON
 from tests.helpers.launch import REPO, check, child_env
 
 SECTIONS = {"step_overhead/mlp/1", "step_overhead/mlp/2", "startup", "training_memory",
-            "meta_init_memory", "checkpoint_speed", "gpu_throughput"}
+            "meta_init_memory", "checkpoint_speed", "pipeline_steps", "gpu_throughput"}
 
 
 def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> None:
@@ -41,6 +41,9 @@ def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> 
     memory = results["sections"]["training_memory"]
     assert memory["ratio_peak_above_baseline"]["median"] > 0
     assert results["sections"]["checkpoint_speed"]["ratios"]
+    pipeline = results["sections"]["pipeline_steps"]
+    assert math.isfinite(pipeline["ratio_pipeline_to_one"]) and pipeline["ratio_pipeline_to_one"] > 0
+    assert pipeline["max_weight_difference"] < 1e-4  # the pipeline trained the same model
     # Without a GPU the last recorded GPU run is reported, with the device it ran on.
     gpu = results["sections"]["gpu_throughput"]
     assert gpu is None or "device" in gpu
@@ -48,3 +51,4 @@ def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> 
     assert table[:2] == ["| Benchmark | Figure |", "|---|---|"]
     assert any("BaseTrainer / hand-written" in row for row in table)
     assert any("import dream_trainer" in row for row in table)
+    assert any("pipeline_parallel=2" in row for row in table)

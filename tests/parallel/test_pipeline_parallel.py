@@ -44,7 +44,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
     check(torchrun(SCRIPT, [str(out / "two.pt"), *SCHEDULES, "tp2_loss_parallel",
                             "backward_error", "naive_scale_grads"], nproc=2, timeout=400))
     check(torchrun(SCRIPT, [str(out / "four.pt"), "pp2_fsdp2", "pp2_tp2",
-                            "pp2_tp2_loss_parallel"], nproc=4, timeout=400))
+                            "pp2_tp2_loss_parallel", "ddp_error"], nproc=4, timeout=400))
     check(torchrun(SCRIPT, [str(out / "eight.pt"), "pp2_fsdp2_tp2"], nproc=8, timeout=400))
     merged: dict[str, dict[str, Any]] = {}
     for name in ("one", "two", "four", "eight"):
@@ -132,3 +132,10 @@ def test_backward_under_a_pipeline_points_to_forward_backward(results: dict[str,
     error = results["backward_error"]["error"]
     assert error is not None and "backward() cannot run under pipeline_parallel > 1" in error
     assert "self.forward_backward(self.model, x, target=y, loss_fn=loss_fn)" in error
+
+
+def test_ddp_replicas_of_stages_are_refused_once_resolved(results: dict[str, Any]) -> None:
+    # 4 ranks, 2 stages, dp_replicate="auto": DDP replicas, which torch's stages cannot run.
+    error = results["ddp_error"]["error"]
+    assert error is not None and "pipeline_parallel=2 with dp_replicate=2 would wrap" in error
+    assert "dp_replicate=1 and dp_shard='auto'" in error

@@ -195,6 +195,8 @@ def naive_scale_grads() -> None:
 def run(mode: str) -> dict[str, Any]:
     if mode == "backward_error":
         return backward_error()
+    if mode == "ddp_error":
+        return ddp_error()
     params, dp = MODES[mode]
     if mode == "naive_scale_grads":
         naive_scale_grads()
@@ -210,6 +212,17 @@ def run(mode: str) -> dict[str, Any]:
             "model_type": type(trainer.model).__name__,
             "training_step": type(trainer).training_step.__qualname__,
             "logit_placements": trainer.logit_placements}
+
+
+def ddp_error() -> dict[str, Any]:
+    """dp_replicate='auto' next to a 2-stage pipeline on 4 ranks resolves to DDP replicas."""
+    params = DeviceParameters(dp_replicate="auto", pipeline_parallel=2)
+    trainer = Recording(transformer_config(params, 8))
+    try:
+        trainer.fit()
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}
 
 
 def backward_error() -> dict[str, Any]:
