@@ -274,10 +274,17 @@ class SetupMixin(AbstractTrainer):
         else:
             materialize_stages(reference, stages, self.world.device)
         runner = PipelineRunner(params.pipeline_schedule, microbatches, ids,
-                                pp_mesh.size() * per_rank, pp_mesh, self.world.device)
+                                pp_mesh.size() * per_rank, pp_mesh.size(), self._pp_group,
+                                self.world.device)
         container = PipelineStages(stages, ids, pp_mesh.size() * per_rank, runner)
         setattr(self, name, container)
         self._init_weights()
+
+    def _pp_group(self) -> Any:
+        mesh = self.world.get_mesh(MeshAxis.PP)
+        if mesh is None:
+            raise RuntimeError("the pipeline has no process group: the run is not launched")
+        return mesh.get_group()
 
     def _on_stage(self, name: str, stage: nn.Module, hooks: Any) -> nn.Module:
         """Run ``hooks()`` with the model attribute bound to ``stage``; return what the hooks

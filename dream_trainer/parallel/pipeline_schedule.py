@@ -69,20 +69,24 @@ class PipelineRunner:
         microbatches: Microbatches per call.
         stage_ids: The stages this rank holds.
         num_stages: The total number of stages.
-        pp_mesh: The pipeline mesh.
+        pp_size: The pipeline degree.
+        pp_group: Returns the pipeline's process group. It is asked again after
+            ``release()``: a run validated after ``fit()`` has a new process group.
         device: The device the stages run on.
     """
 
     def __init__(self, schedule: str, microbatches: int, stage_ids: Sequence[int],
-                 num_stages: int, pp_mesh: Any, device: torch.device) -> None:
+                 num_stages: int, pp_size: int, pp_group: Callable[[], dist.ProcessGroup],
+                 device: torch.device) -> None:
         self.schedule_name = schedule
         self.microbatches = microbatches
         self.stage_ids = list(stage_ids)
         self.num_stages = num_stages
-        self.group = pp_mesh.get_group()
         # The last stage is on the last pipeline rank, or back on rank 0 for a V.
-        self.last_stage_rank = 0 if schedule in V_SCHEDULES else pp_mesh.size() - 1
+        self.last_stage_rank = 0 if schedule in V_SCHEDULES else pp_size - 1
         self.device = device
+        self._pp_group = pp_group
+        self._group: dist.ProcessGroup | None = None
         self._slot = _LossSlot()
         self._schedules: dict[tuple[Any, ...], Any] = {}
 
@@ -208,9 +212,17 @@ class PipelineRunner:
                                    device=self.device)
         return dict(box[0])
 
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The pipeline's process group (looked up once per process group)."""
+        if self._group is None:
+            self._group = self._pp_group()
+        return self._group
+
     def release(self) -> None:
         """Drop the schedules (and their stages' references to modules and groups)."""
         self._schedules.clear()
+        self._group = None
 
     def _check_split(self, inputs: tuple[Any, ...], target: Any) -> None:
         n = self.microbatches

@@ -19,22 +19,6 @@ from tests.helpers.toy import ToyTrainer, toy_config
 from tests.helpers.transformer import TinyTransformer
 
 
-class FakeMesh:
-    """What PipelineRunner reads from a pipeline mesh."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def get_local_rank(self) -> int:
-        return self._rank
-
-    def get_group(self) -> None:
-        return None
-
-
 def held(stage: nn.Module) -> list[str]:
     return [name for name, _ in stage.named_parameters()]
 
@@ -148,7 +132,7 @@ def test_the_container_is_the_model_to_optimizers_state_dicts_and_modes() -> Non
 
 
 def test_a_batch_that_does_not_split_into_the_microbatches_is_refused() -> None:
-    runner = PipelineRunner("1F1B", 2, [0], 2, FakeMesh(2, 0), torch.device("cpu"))
+    runner = PipelineRunner("1F1B", 2, [0], 2, 2, lambda: None, torch.device("cpu"))
     with pytest.raises(ValueError, match="has 3 samples along dim 0, which do not split into "
                                          "pipeline_microbatches=2"):
         runner.run([nn.Linear(2, 2)], (torch.zeros(3, 2),), torch.zeros(3, 2), F.mse_loss,

@@ -94,6 +94,12 @@ def test_every_schedule_with_accumulation_matches_one_process(results: dict[str,
     assert_matches(results[schedule], results["single"], same_data=True)
 
 
+def test_a_pipeline_validates_after_fit_as_it_did_at_the_end_of_fit(
+        results: dict[str, Any]) -> None:
+    pipeline = results["1F1B"]
+    assert pipeline["after_fit_val_loss"] == pipeline["val_losses"][-1]
+
+
 def test_torchs_default_scale_grads_would_fail_these_comparisons(results: dict[str, Any]) -> None:
     # scale_grads=True divides every gradient by the microbatch count at each schedule step,
     # including those accumulated by earlier micro-batches of the window (torchtitan#1732).
