@@ -94,6 +94,15 @@ def test_every_schedule_with_accumulation_matches_one_process(results: dict[str,
     assert_matches(results[schedule], results["single"], same_data=True)
 
 
+@pytest.mark.parametrize("mode", ["single", "1F1B", "pp2_fsdp2_tp2"])
+def test_throughput_counts_the_global_batch_under_a_pipeline(results: dict[str, Any],
+                                                           mode: str) -> None:
+    # 16 sequences per optimizer step in every layout; a pipeline's ranks are not replicas.
+    latest = results[mode]["throughput"]
+    samples = latest["throughput/samples_per_second"] * latest["throughput/step_time"]
+    assert samples == pytest.approx(16)
+
+
 def test_a_pipeline_validates_after_fit_as_it_did_at_the_end_of_fit(
         results: dict[str, Any]) -> None:
     pipeline = results["1F1B"]

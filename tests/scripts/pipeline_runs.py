@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
+from dream_trainer.callbacks import Throughput
 from dream_trainer.configs import DeviceParameters
 from dream_trainer.mixins import EvalMixin
 from tests.helpers.launch import save_on_rank_zero
@@ -205,6 +206,9 @@ def run(mode: str) -> dict[str, Any]:
                                 gradient_clip_val=CLIP)
     trainer_class = VocabShardedHead if params.loss_parallel else Recording
     trainer = trainer_class(config.model_copy(update={"n_layers": 4}))
+    throughput = Throughput(window=1)
+    trainer.callbacks.append(throughput)
+    trainer.callbacks.attach(trainer)
     trainer.fit()
     val_losses = list(trainer.val_losses)
     # A pipeline validates after fit() too, in a process group of its own.
@@ -214,7 +218,8 @@ def run(mode: str) -> dict[str, Any]:
             "val_accuracy": trainer.val_accuracy, "global_step": trainer.global_step,
             "model_type": type(trainer.model).__name__,
             "training_step": type(trainer).training_step.__qualname__,
-            "logit_placements": trainer.logit_placements}
+            "logit_placements": trainer.logit_placements,
+            "throughput": throughput.latest if trainer.world.is_rank_zero else None}
 
 
 def ddp_error() -> dict[str, Any]:
