@@ -100,8 +100,9 @@ class EvalMixin(AbstractTrainer):
             if pipeline is not None:
                 # Decided among the last stage's data-parallel ranks, which sync its states.
                 dp_mesh = self.world.dp_mesh
-                compute = pipeline.has_last_stage and (updated if dp_mesh is None else any_rank_failed(
-                    updated, self.world.device, dp_mesh.get_group()))
+                if dp_mesh is not None:
+                    updated = any_rank_failed(updated, self.world.device, dp_mesh.get_group())
+                compute = pipeline.has_last_stage and updated
             else:
                 compute = any_rank_failed(updated, self.world.device)
             if compute:

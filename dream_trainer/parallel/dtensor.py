@@ -30,4 +30,6 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """The whole of ``tensor`` as a plain tensor: a DTensor's ``full_tensor()`` (a collective
     over its mesh unless it is replicated), or the tensor itself."""
-    return tensor.full_tensor() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined,no-any-return]
+    if is_dtensor(tensor):
+        return tensor.full_tensor()  # type: ignore[attr-defined,no-any-return]
+    return tensor

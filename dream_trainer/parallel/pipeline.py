@@ -242,8 +242,8 @@ def _copy_full(target: torch.Tensor, full: torch.Tensor) -> None:
     if is_dtensor(target):
         from torch.distributed.tensor import distribute_tensor
 
-        shard = distribute_tensor(full, target.device_mesh,  # type: ignore[attr-defined]
-                                  target.placements, src_data_rank=None)  # type: ignore[attr-defined]
+        mesh, placements = target.device_mesh, target.placements  # type: ignore[attr-defined]
+        shard = distribute_tensor(full, mesh, placements, src_data_rank=None)
         target.to_local().copy_(shard.to_local())  # type: ignore[attr-defined]
     else:
         target.copy_(full)

@@ -42,7 +42,8 @@ def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> 
     assert memory["ratio_peak_above_baseline"]["median"] > 0
     assert results["sections"]["checkpoint_speed"]["ratios"]
     pipeline = results["sections"]["pipeline_steps"]
-    assert math.isfinite(pipeline["ratio_pipeline_to_one"]) and pipeline["ratio_pipeline_to_one"] > 0
+    assert math.isfinite(pipeline["ratio_pipeline_to_one"]) \
+        and pipeline["ratio_pipeline_to_one"] > 0
     assert pipeline["max_weight_difference"] < 1e-4  # the pipeline trained the same model
     # Without a GPU the last recorded GPU run is reported, with the device it ran on.
     gpu = results["sections"]["gpu_throughput"]

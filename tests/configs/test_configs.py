@@ -122,7 +122,8 @@ def test_a_pipeline_shards_its_spare_ranks_by_default() -> None:
     assert DeviceParameters(pipeline_parallel=2, dp_shard=2).dp_replicate == "auto"
     defaults = DeviceParameters(pipeline_parallel=2)
     assert (defaults.pipeline_schedule, defaults.pipeline_microbatches,
-            defaults.pipeline_stages_per_rank, defaults.loss_parallel) == ("1F1B", None, None, False)
+            defaults.pipeline_stages_per_rank, defaults.loss_parallel) == ("1F1B", None, None,
+                                                                           False)
 
 
 def test_val_batch_size_defaults_to_train_batch_size() -> None:
