@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import (checkpoint_speed, hf_load_memory, meta_init_memory, plan_scale, startup,
-                        step_overhead, stream_resume, training_memory)
+from benchmarks import (checkpoint_speed, hf_load_memory, meta_init_memory, pipeline_steps,
+                        plan_scale, startup, step_overhead, stream_resume, training_memory)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -49,6 +49,8 @@ def sections(quick: bool, lightning_python: str | None) -> dict[str, Callable[[]
                                                              1 if quick else 5),
         "stream_resume": lambda: stream_resume.measure(800 if quick else 40_000,
                                                        1 if quick else 5),
+        "pipeline_steps": lambda: pipeline_steps.measure(8 if quick else 60,
+                                                         1 if quick else 3),
         "gpu_throughput": lambda: gpu_result(quick),
         "plan_scale": lambda: plan_scale.measure(quick),
     }
@@ -79,7 +81,8 @@ def markdown(results: dict[str, Any]) -> str:
             module = {"step_overhead": step_overhead, "startup": startup,
                       "training_memory": training_memory, "meta_init_memory": meta_init_memory,
                       "hf_load_memory": hf_load_memory, "checkpoint_speed": checkpoint_speed,
-                      "stream_resume": stream_resume, "plan_scale": plan_scale}[kind]
+                      "stream_resume": stream_resume, "plan_scale": plan_scale,
+                      "pipeline_steps": pipeline_steps}[kind]
             lines += module.markdown(result)
     return "\n".join(lines) + "\n"
 

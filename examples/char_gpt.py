@@ -3,6 +3,8 @@
     torchrun --standalone --nproc_per_node=2 examples/char_gpt.py
     torchrun --standalone --nproc_per_node=2 examples/char_gpt.py \\
         --checkpoint_parameters.resume latest --training_parameters.n_epochs 8
+    torchrun --standalone --nproc_per_node=2 examples/char_gpt.py \\
+        --device_parameters.pipeline_parallel 2
     python examples/char_gpt.py --help
 
 The text is always on disk: the standard library modules matching ``files`` (a glob relative
@@ -25,6 +27,12 @@ What it shows:
   checkpoint: the first line printed is that step's validation loss again.
 - Every config field can be overridden from the command line (``apply_cli_overrides``),
   nested ones with dots: ``--gpt.n_layers 2 --training_parameters.train_batch_size 8``.
+- Pipeline parallelism: ``--device_parameters.pipeline_parallel 2`` splits the blocks into
+  two stages, one per rank (``--device_parameters.pipeline_schedule`` picks the schedule).
+  The same ``training_step`` runs either way, because it calls ``forward_backward`` rather
+  than the model; ``CharGPT.forward`` skips the modules that are None, which is all the
+  default split needs. Checkpoints keep their keys, so a pipeline run resumes without one
+  and the reverse. No sample is generated under a pipeline (it calls the model directly).
 - At the end rank 0 prints a short sample of generated text and the absolute paths of the
   logs (``metrics.jsonl``) and checkpoints. ``examples/finetune.py`` starts from them.
 """
@@ -147,12 +155,23 @@ class CharGPT(nn.Module):
         self.norm = nn.LayerNorm(params.dim)
         self.head = nn.Linear(params.dim, VOCAB_SIZE, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.token_embedding(tokens) + self.position_embedding(positions)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Modules that are None belong to other pipeline stages: a later stage receives the
+        # previous stage's activations instead of tokens.
+        if self.token_embedding is not None:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.token_embedding(x) + self.position_embedding(positions)
         for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+            if block is not None:
+                x = block(x)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+
+def next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``(batch, seq, 256)`` logits against ``(batch, seq)`` bytes."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 # -- trainer ---------------------------------------------------------------------------------
@@ -232,9 +251,8 @@ class CharGPTTrainer(DreamTrainer):
     @override
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         inputs, targets = batch
-        logits = self.model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        self.backward(loss)
+        # cross_entropy(model(inputs), targets) then backward(), or the pipeline schedule.
+        loss = self.forward_backward(self.model, inputs, target=targets, loss_fn=next_byte_loss)
         if self.is_accumulating_gradients:
             return {"loss": loss}
         return {"loss": loss, "grad_norm": self.step(self.model, self.optimizer)}
@@ -242,8 +260,8 @@ class CharGPTTrainer(DreamTrainer):
     @override
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         inputs, targets = batch
-        logits = self.model(inputs)
-        return {"val_loss": F.cross_entropy(logits.flatten(0, 1), targets.flatten())}
+        return {"val_loss": self.forward_loss(self.model, inputs, target=targets,
+                                              loss_fn=next_byte_loss)}
 
     # -- what the example reports ---------------------------------------------------------------
     @override
@@ -252,7 +270,9 @@ class CharGPTTrainer(DreamTrainer):
         self._started = time.perf_counter()
         if self.world.is_rank_zero:
             n_params = sum(p.numel() for p in self.model.parameters())
-            print(f"{n_params:,} parameters on {self.world.world_size} rank(s); "
+            held = "in rank 0's pipeline stage(s)" if self.world.dims.pp > 1 \
+                else f"on {self.world.world_size} rank(s)"
+            print(f"{n_params:,} parameters {held}; "
                   f"starting at step {self.global_step}", flush=True)
         # The loss before the first step (or, resumed, at the checkpoint), for comparison.
         self.run_validation(max_batches=self.config.training_parameters.val_steps_per_epoch)
@@ -272,7 +292,7 @@ class CharGPTTrainer(DreamTrainer):
     @override
     def post_fit(self) -> None:
         super().post_fit()  # the final checkpoint is written here
-        if self.config.sample_length:
+        if self.config.sample_length and self.world.dims.pp == 1:
             self.sample = self.generate(self.config.sample_prompt, self.config.sample_length)
 
     @torch.no_grad()

@@ -190,6 +190,26 @@ def test_benchmark_under_torchrun_prints_once(tmp_path: Path) -> None:
     assert sorted(path.name for path in tmp_path.iterdir()) == ["figures.json"]
 
 
+@pytest.mark.distributed
+def test_summarize_shows_each_pipeline_stage(tmp_path: Path) -> None:
+    # The script's config leaves the data-parallel degrees at their defaults: on 2 ranks a
+    # 2-stage pipeline takes both, and the "auto" replicas resolve to 1.
+    result = check(subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "dream_trainer", "summarize", TARGET, "--device_parameters.pipeline_parallel",
+         "2"], env=child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240))
+    out = result.stdout
+    assert out.count("== world ==") == 1, out  # printed by rank 0 only
+    assert "mesh: pp=2" in out
+    assert f"model: pipeline of 2 stages (plain within each), float32, {PARAMETERS} parameters" \
+        in out
+    assert "model pipeline: 1F1B, 2 microbatches per batch" in out
+    # Linear(8, 16) with the Tanh after it, then Linear(16, 4): 144 and 68 parameters.
+    assert "stage 0 on pipeline rank 0: 0, 1 (144 parameters)" in out
+    assert "stage 1 on pipeline rank 1: 2 (68 parameters)" in out
+    assert "pipeline_schedule" in out and "pipeline_microbatches" in out  # TrainerSummary
+
+
 def test_export_command_writes_loadable_weights(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trainer = CheckpointedTrainer(checkpointed_config(tmp_path, resume=None))

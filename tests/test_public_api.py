@@ -24,7 +24,8 @@ SNAPSHOT = {
                              "TensorBoardLoggerMixin", "WandBLoggerConfigMixin",
                              "WandBLoggerMixin"],
     "dream_trainer.checkpoint": ["CheckpointError", "CheckpointInfo", "export_checkpoint"],
-    "dream_trainer.parallel": ["FullTensorInit", "clip_grad_norm", "find_blocks"],
+    "dream_trainer.parallel": ["FullTensorInit", "PipelineStages", "clip_grad_norm",
+                               "find_blocks", "split_model", "stage_ids"],
     "dream_trainer.data": ["ResumableSampler", "ValidationBatches"],
     "dream_trainer.callbacks": ["EMA", "HOOK_NAMES", "Callback", "CallbackCollection",
                                 "EarlyStopping", "GarbageCollection", "HangWatchdog",
@@ -42,7 +43,8 @@ TRAINING_FIELDS = ["n_epochs", "train_batch_size", "val_batch_size",
 DEVICE_FIELDS = ["dp_replicate", "dp_shard", "context_parallel", "tensor_parallel",
                  "pipeline_parallel", "device", "param_dtype", "reduce_dtype", "compile_model",
                  "checkpoint_activations", "cpu_offload", "init_timeout", "train_timeout",
-                 "flight_recorder_entries", "detect_anomaly"]
+                 "flight_recorder_entries", "detect_anomaly", "pipeline_schedule",
+                 "pipeline_microbatches", "pipeline_stages_per_rank", "loss_parallel"]
 
 
 def test_all_matches_the_snapshot() -> None:

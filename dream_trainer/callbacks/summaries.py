@@ -10,6 +10,7 @@ from typing_extensions import override
 
 from dream_trainer.callbacks.callback import RankZeroCallback
 from dream_trainer.callbacks.progress_bar import planned_optimizer_steps
+from dream_trainer.configs.device import pipeline_layout
 from dream_trainer.parallel.dtensor import local_tensor
 
 if TYPE_CHECKING:
@@ -167,6 +168,11 @@ class TrainerSummary(RankZeroCallback):
             "param_dtype": str(device.param_dtype).removeprefix("torch."),
             "reduce_dtype": str(device.reduce_dtype).removeprefix("torch."),
         }
+        if dims.pp > 1:
+            stages_per_rank, microbatches = pipeline_layout(device, dims.pp)
+            self.summary.update({"pipeline_schedule": device.pipeline_schedule,
+                                 "pipeline_stages": dims.pp * stages_per_rank,
+                                 "pipeline_microbatches": microbatches})
         from rich.table import Table
 
         table = Table(title="Trainer")

@@ -1,13 +1,14 @@
 """The trainer's full state as torch Distributed Checkpoint (DCP) saves and loads it.
 
-Tensors are DCP's to shard and reshard: the models' and optimizers' keyed by parameter
-name, and those inside the loop's other state (an EMA callback's sharded averages, say)
-keyed by their path. Everything else (schedulers, counters, callbacks, the user's extra
-state) is Python objects, stored as one opaque blob with its tensors replaced by references:
-DCP would otherwise flatten their dicts and lists into one key per element and refuse to
-load a list that grew or a key that an older checkpoint lacks. That blob is shared (written
-once; every rank holds the same); each process also writes a blob of its own, under its own
-key, with its random generators and ``rank_state_dict()``.
+DCP keeps what it can shard and reshard by name in its own structure: the models' and
+optimizers' tensors by parameter name, and the loop's counters and the callbacks' states
+(an EMA callback's averages by parameter name, so each shard or pipeline stage saves its
+own). The user's extra state and the schedulers are Python objects stored as one opaque blob,
+their tensors (if any) saved beside it by path: DCP would otherwise flatten their dicts and
+lists into one key per element and refuse to load a list that grew or a key that an older
+checkpoint lacks. That blob is shared (written once; every rank holds the same); each process
+also writes a blob of its own, under its own key, with its random generators and
+``rank_state_dict()``, and each data-parallel rank its position in a stateful train loader.
 """
 
 from __future__ import annotations
@@ -156,6 +157,11 @@ class TrainingState:
     so they are keyed by parameter name and sharded as the model is (DDP, FSDP2, TP), which
     lets DCP load them into a different number of ranks.
 
+    Optimizer states are flattened (one entry per parameter and setting, e.g.
+    ``param_groups.layers.0.w.lr``) when ``flat_optimizers``: pipeline stages hold different
+    parameters, and DCP keeps only one rank's copy of a nested ``param_groups`` list, so the
+    other stages would load foreign groups. Runs without a pipeline keep the nested form.
+
     Args:
         trainer: The trainer whose state this is.
         weights_only: Only the models (fine-tuning from another run).
@@ -163,13 +169,18 @@ class TrainingState:
             asked for when present (a checkpoint written by fewer ranks has none for this
             rank), and the blob's tensors are loaded into the live ones where they still
             exist (in place, sharded), else into new tensors of the saved size.
+        flat_optimizers: Save (or load) optimizer states in the flattened form; by default
+            when the trainer runs a pipeline.
     """
 
     def __init__(self, trainer: AbstractTrainer, weights_only: bool = False,
-                 saved: Mapping[str, Any] | None = None) -> None:
+                 saved: Mapping[str, Any] | None = None,
+                 flat_optimizers: bool | None = None) -> None:
         self.trainer = trainer
         self.weights_only = weights_only
         self.saved = saved
+        self.flat_optimizers = trainer.world.dims.pp > 1 if flat_optimizers is None \
+            else flat_optimizers
         self.loaded_rng: dict[str, Any] | None = None
         self.resumed_mid_epoch = False
 
@@ -185,17 +196,22 @@ class TrainingState:
                                             for name, model in trainer.named_models().items()}}
         if self.weights_only:
             return state
+        options = self._options()
         state["optimizers"] = {
-            name: get_optimizer_state_dict(optimizer_owner(trainer, name, opt), opt)
+            name: get_optimizer_state_dict(optimizer_owner(trainer, name, opt), opt,
+                                           options=options)
             for name, opt in trainer.named_optimizers().items()}
         tensors: dict[str, torch.Tensor] = {}
         state[SHARED] = pack(split_tensors({
             "schedulers": {name: scheduler.state_dict()
                            for name, scheduler in trainer.named_schedulers().items()},
-            "trainer": trainer.state_dict(),
             "extra": trainer.extra_state_dict(),
             "world_size": trainer.world.world_size,
         }, "", tensors))
+        # The loop's counters and the callbacks' states stay in DCP's own structure: a
+        # callback's tensors (EMA's averages) are keyed by parameter name, so each pipeline
+        # stage or shard saves its own and a run on another layout loads them by name.
+        state["trainer"] = trainer.state_dict()
         state[TENSORS] = tensors if self.saved is None else self._load_targets(tensors)
         if self.saved is None:
             position = trainer.data_state_dict()
@@ -234,9 +250,10 @@ class TrainingState:
             set_model_state_dict(model, state_dict["models"][name])
         if self.weights_only:
             return
+        options = self._options()
         for name, optimizer in trainer.named_optimizers().items():
             set_optimizer_state_dict(optimizer_owner(trainer, name, optimizer), optimizer,
-                                     state_dict["optimizers"][name])
+                                     state_dict["optimizers"][name], options=options)
         device = trainer.world.device
         shared = join_tensors(unpack(state_dict[SHARED], device),
                               state_dict.get(TENSORS, {}))
@@ -245,15 +262,15 @@ class TrainingState:
                 raise CheckpointError(f"the checkpoint has no state for scheduler {name!r} "
                                       f"(it has {sorted(shared['schedulers'])})")
             scheduler.load_state_dict(shared["schedulers"][name])
-        trainer.load_state_dict(shared["trainer"])
+        trainer.load_state_dict(state_dict["trainer"])
         positions = {int(key.removeprefix(LOADER)): unpack(blob, device)
                      for key, blob in state_dict.items() if key.startswith(LOADER)}
         try:
-            trainer.load_data_state_dict(positions, int(shared["trainer"]["dp_size"]))
+            trainer.load_data_state_dict(positions, int(state_dict["trainer"]["dp_size"]))
         except ValueError as exc:
             raise CheckpointError(str(exc)) from exc
         trainer.load_extra_state_dict(shared["extra"])
-        self.resumed_mid_epoch = int(shared["trainer"].get("batch_in_epoch", 0)) > 0
+        self.resumed_mid_epoch = int(state_dict["trainer"].get("batch_in_epoch", 0)) > 0
         own = state_dict.get(rank_key(trainer.world.rank))
         mine = unpack(own, device) if own is not None else None
         self.loaded_rng = None if mine is None else mine["rng"]
@@ -267,6 +284,11 @@ class TrainingState:
                 "state can only go back to the same process; resume with "
                 f"{saved_world} processes, or from a checkpoint without per-rank state"
             )
+
+    def _options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=self.flat_optimizers)
 
 
 def check_shared(gathered: list[dict[str, str]]) -> None:

@@ -7,13 +7,16 @@ import io
 from collections.abc import Iterable
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from dream_trainer.callbacks.summaries import ModelSummary, TrainerSummary
 from dream_trainer.cli.arguments import add_target, non_negative_int
 from dream_trainer.cli.session import attach, sandboxed, set_up
 from dream_trainer.cli.target import load_trainer
+from dream_trainer.parallel.pipeline import PipelineStages, describe_stage
 from dream_trainer.trainer.base import BaseTrainer
+from dream_trainer.world.dims import MeshAxis
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -40,13 +43,15 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     with sandboxed(trainer):
         attach(trainer, models, schedule)
         with set_up(trainer):
+            stages = _pipeline_stages(trainer)  # a collective: before the ranks part
             if not trainer.world.is_rank_zero:
                 return 0
             sections = {
                 f"config ({type(trainer.config).__name__})": config_json,
                 "world": _world(trainer),
                 "models": "\n".join([model_tables.getvalue().rstrip()] + [
-                    _model(name, model, models) for name, model in trainer.named_models().items()]),
+                    _model(name, model, models) for name, model in trainer.named_models().items()]
+                    + stages),
                 "optimizers": _optimizers(trainer),
                 "data": _data(trainer, schedule.summary["optimizer_steps_per_epoch"]),
                 "schedule": schedule_table.getvalue().rstrip(),
@@ -78,11 +83,40 @@ def _wrapping(model: nn.Module) -> str:
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
+    modules = model.stages if isinstance(model, PipelineStages) else [model]
     if isinstance(model, DistributedDataParallel):
-        return "DDP"
-    if any(isinstance(module, FSDPModule) for module in model.modules()):
-        return "FSDP2"
-    return "plain"
+        wrapping = "DDP"
+    elif any(isinstance(sub, FSDPModule) for module in modules for sub in module.modules()):
+        wrapping = "FSDP2"
+    else:
+        wrapping = "plain"
+    if isinstance(model, PipelineStages):
+        return f"pipeline of {model.num_stages} stages ({wrapping} within each)"
+    return wrapping
+
+
+def _pipeline_stages(trainer: BaseTrainer) -> list[str]:
+    """One line per pipeline stage, gathered from the ranks that hold them (collective)."""
+    pipelines = [(name, model) for name, model in trainer.named_models().items()
+                 if isinstance(model, PipelineStages)]
+    if not pipelines:
+        return []
+    name, model = pipelines[0]
+    params = trainer.config.device_parameters
+    pp_rank = trainer.world.get_mesh(MeshAxis.PP).get_local_rank()  # type: ignore[union-attr]
+    mine = [(stage_id, pp_rank, describe_stage(stage),
+             sum(p.numel() for p in stage.parameters()))
+            for stage_id, stage in zip(model.stage_ids, model.stages)]
+    gathered: list[Any] = [None] * trainer.world.world_size
+    dist.all_gather_object(gathered, mine)
+    # Data- and tensor-parallel replicas of a stage report it again: keep one.
+    stages = sorted({entry[0]: entry for rank_stages in gathered for entry in rank_stages}
+                    .values())
+    lines = [f"{name} pipeline: {params.pipeline_schedule}, {model.runner.microbatches} "
+             f"microbatches per batch"]
+    lines += [f"  stage {stage} on pipeline rank {rank}: {what} ({count:,} parameters)"
+              for stage, rank, what, count in stages]
+    return lines
 
 
 def _optimizers(trainer: BaseTrainer) -> str:

@@ -47,6 +47,71 @@ Degree = PositiveInt | Literal["auto"]
 _DEGREE_FIELDS = ("dp_replicate", "dp_shard", "context_parallel", "tensor_parallel",
                   "pipeline_parallel")
 
+PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
+                           "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+"""The ``torch.distributed.pipelining`` schedules a pipeline can run."""
+
+SINGLE_STAGE_SCHEDULES = frozenset({"GPipe", "1F1B"})
+"""Schedules that run exactly one stage per rank."""
+V_SCHEDULES = frozenset({"ZBVZeroBubble", "DualPipeV"})
+"""Schedules that run two stages per rank placed in a V: rank r holds stages r and 2p-1-r."""
+
+
+def pipeline_layout(params: DeviceParameters, degree: int) -> tuple[int, int]:
+    """``(stages per rank, microbatches)`` for a pipeline of ``degree`` ranks, defaults resolved.
+
+    ``pipeline_stages_per_rank=None`` is 1 for GPipe and 1F1B and 2 for the others;
+    ``pipeline_microbatches=None`` is ``degree`` x stages per rank.
+    """
+    stages_per_rank = params.pipeline_stages_per_rank
+    if stages_per_rank is None:
+        stages_per_rank = 1 if params.pipeline_schedule in SINGLE_STAGE_SCHEDULES else 2
+    microbatches = params.pipeline_microbatches
+    return stages_per_rank, degree * stages_per_rank if microbatches is None else microbatches
+
+
+def ddp_pipeline_problem(pipeline_parallel: Any, dp_replicate: Any) -> str:
+    """Why DDP replicas of pipeline stages are refused, and what to set instead."""
+    # torch 2.13's pipeline stages fail inside DDP's reducer from the second micro-batch on;
+    # FSDP2 (and HSDP) stages work.
+    return (f"pipeline_parallel={pipeline_parallel!r} with dp_replicate={dp_replicate!r} "
+            "would wrap pipeline stages in DDP, which torch's pipelining cannot run: shard "
+            "them instead with dp_replicate=1 and dp_shard='auto' (FSDP2), or dp_shard with "
+            "dp_replicate (HSDP)")
+
+
+def pipeline_problem(schedule: str, degree: int, stages_per_rank: int,
+                     microbatches: int) -> str | None:
+    """Why these pipeline settings cannot run together, or None when they can.
+
+    Args:
+        schedule: The ``pipeline_schedule``.
+        degree: The resolved ``pipeline_parallel`` degree.
+        stages_per_rank: The resolved ``pipeline_stages_per_rank``.
+        microbatches: The resolved ``pipeline_microbatches``.
+    """
+    stages = degree * stages_per_rank
+    if schedule in SINGLE_STAGE_SCHEDULES and stages_per_rank != 1:
+        return (f"pipeline_schedule={schedule!r} runs one stage per rank but "
+                f"pipeline_stages_per_rank={stages_per_rank}: set pipeline_stages_per_rank=1, "
+                "or choose 'Interleaved1F1B' for several stages per rank")
+    if schedule in V_SCHEDULES and stages_per_rank != 2:
+        return (f"pipeline_schedule={schedule!r} places exactly 2 stages per rank in a V but "
+                f"pipeline_stages_per_rank={stages_per_rank}: set pipeline_stages_per_rank=2 "
+                "(or leave it unset)")
+    if schedule in ("1F1B", "DualPipeV") and microbatches < stages:
+        return (f"pipeline_schedule={schedule!r} needs at least one microbatch per stage, but "
+                f"pipeline_microbatches={microbatches} < {stages} stages (pipeline_parallel="
+                f"{degree} x pipeline_stages_per_rank={stages_per_rank}): raise "
+                "pipeline_microbatches")
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, microbatches // degree)
+        if microbatches % rounds:
+            return (f"pipeline_schedule={schedule!r} runs microbatches in rounds of "
+                    f"pipeline_parallel={degree}, but pipeline_microbatches={microbatches} is "
+                    f"not a multiple of its {rounds} rounds: use a multiple of {degree}")
+    return None
+
 
 class DeviceParameters(ConfigModel):
     """The device mesh and the numerics of a run.
@@ -59,13 +124,15 @@ class DeviceParameters(ConfigModel):
     """Data-parallel replicas (DDP, or the replicate axis of HSDP). When not given it is
     ``"auto"`` unless another degree is, so the default is data parallel over every rank."""
     dp_shard: Degree = 1
-    """Data-parallel shards (FSDP2)."""
+    """Data-parallel shards (FSDP2). When neither this nor ``dp_replicate`` is given and
+    ``pipeline_parallel > 1``, it is ``"auto"``: a pipeline's spare ranks shard its stages."""
     context_parallel: Degree = 1
     """Context-parallel degree (not supported yet: must be 1)."""
     tensor_parallel: Degree = 1
     """Tensor-parallel degree."""
     pipeline_parallel: Degree = 1
-    """Pipeline-parallel degree (not supported yet: must be 1)."""
+    """Pipeline-parallel degree: the model's blocks are split into stages over this many
+    ranks (see ``SetupMixin.apply_pipeline_parallel``)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``"auto"`` uses CUDA when available, else the CPU."""
     param_dtype: TorchDType = torch.float32
@@ -91,13 +158,33 @@ class DeviceParameters(ConfigModel):
     detect_anomaly: bool = False
     """Run ``fit()`` under ``torch.autograd.set_detect_anomaly(True)``: backward names the
     forward operation that produced a NaN or a failing gradient (slow: for debugging)."""
+    pipeline_schedule: PipelineSchedule = "1F1B"
+    """The pipeline schedule (``torch.distributed.pipelining``), used when
+    ``pipeline_parallel > 1``."""
+    pipeline_microbatches: PositiveInt | None = None
+    """Microbatches each micro-batch is split into along dim 0 (``train_batch_size`` and
+    ``val_batch_size`` must divide by it); ``None`` uses ``pipeline_parallel`` x
+    ``pipeline_stages_per_rank``."""
+    pipeline_stages_per_rank: PositiveInt | None = None
+    """Stages each pipeline rank holds (virtual stages of the interleaved and V schedules);
+    ``None`` uses 1 for GPipe and 1F1B, 2 for the others."""
+    loss_parallel: bool = False
+    """Compute the loss of ``forward_backward``/``forward_loss`` inside torch's
+    ``loss_parallel()``: cross-entropy over logits sharded on the vocabulary dimension
+    (a DTensor ``Shard(-1)``) without gathering them. Needs ``tensor_parallel > 1``."""
 
     @model_validator(mode="before")
     @classmethod
     def _default_replicate(cls, data: Any) -> Any:
         if isinstance(data, dict) and "dp_replicate" not in data:
             other_auto = any(data.get(name) == "auto" for name in _DEGREE_FIELDS)
-            return {**data, "dp_replicate": 1 if other_auto else "auto"}
+            if other_auto:
+                return {**data, "dp_replicate": 1}
+            # Pipeline stages cannot be DDP-wrapped (see _check_pipeline): a pipeline's
+            # spare ranks shard its stages instead, as torchtitan's do.
+            if str(data.get("pipeline_parallel", 1)) != "1" and "dp_shard" not in data:
+                return {**data, "dp_replicate": 1, "dp_shard": "auto"}
+            return {**data, "dp_replicate": "auto"}
         return data
 
     @model_validator(mode="after")
@@ -108,11 +195,9 @@ class DeviceParameters(ConfigModel):
                 f"{' and '.join(autos)} are each 'auto': at most one mesh degree can be 'auto'; "
                 "give the others explicit sizes"
             )
-        for name in ("context_parallel", "pipeline_parallel"):
-            if getattr(self, name) not in (1, "auto") or (name in autos):
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not supported yet: set {name}=1"
-                )
+        if self.context_parallel != 1:
+            raise ValueError(f"context_parallel={self.context_parallel!r} is not supported yet: "
+                             "set context_parallel=1")
         if self.cpu_offload and self.dp_shard == 1:
             raise ValueError(
                 "cpu_offload=True needs FSDP2 sharding: set dp_shard > 1 (or 'auto'), "
@@ -120,7 +205,31 @@ class DeviceParameters(ConfigModel):
             )
         if self.init_timeout <= timedelta(0) or self.train_timeout <= timedelta(0):
             raise ValueError("init_timeout and train_timeout must be positive durations")
+        if self.loss_parallel and self.tensor_parallel == 1:
+            raise ValueError("loss_parallel=True computes the loss over vocabulary-sharded "
+                             "logits, which needs tensor_parallel > 1: set tensor_parallel, or "
+                             "turn loss_parallel off")
+        self._check_pipeline()
         return self
+
+    def _check_pipeline(self) -> None:
+        if self.pipeline_parallel == 1:
+            return
+        if self.param_dtype == torch.float16:
+            # Each stage's gradient scaler would skip steps on its own overflows, so the
+            # stages would drift apart.
+            raise ValueError("pipeline_parallel > 1 cannot run with param_dtype=float16 (its "
+                             "gradient scaler would skip steps stage by stage): use bfloat16")
+        if isinstance(self.dp_replicate, int) and self.dp_replicate > 1 and self.dp_shard == 1:
+            # An "auto" degree is checked once resolved (it is 1 when the pipeline takes
+            # every rank): see ddp_pipeline_problem.
+            raise ValueError(ddp_pipeline_problem(self.pipeline_parallel, self.dp_replicate))
+        if self.pipeline_parallel == "auto":
+            return  # the rest depends on the degree: checked once the world size is known
+        problem = pipeline_problem(self.pipeline_schedule, self.pipeline_parallel,
+                                   *pipeline_layout(self, self.pipeline_parallel))
+        if problem is not None:
+            raise ValueError(problem)
 
     @classmethod
     def SINGLE_DEVICE(cls, **overrides: Any) -> DeviceParameters:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -359,7 +360,12 @@ class CheckpointMixin(AbstractTrainer):
                 "in another form: resume it with that version, or load only its weights "
                 "(checkpoint_parameters.load_weights_only=True)"
             )
-        state = TrainingState(self, weights_only=weights_only, saved=saved)
+        # A pipeline run saves optimizers flattened (see TrainingState); the nested form lists
+        # each group's parameter names under param_groups.<index>.params. Read them as saved.
+        nested = any(re.fullmatch(r"state\.optimizers\.[^.]+\.param_groups\.\d+\.params", key)
+                     for key in saved)
+        flat = not nested and any(key.startswith("state.optimizers.") for key in saved)
+        state = TrainingState(self, weights_only=weights_only, saved=saved, flat_optimizers=flat)
         check_shapes(path, state.state_dict()["models"], metadata)
         try:
             _dcp().load({"state": state}, storage_reader=reader,

@@ -10,6 +10,7 @@ import torch
 
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.parallel.materialize import any_rank_failed
+from dream_trainer.parallel.pipeline import PipelineStages
 from dream_trainer.trainer.abstract import AbstractTrainer
 
 
@@ -74,6 +75,12 @@ class EvalMixin(AbstractTrainer):
                 # and not at all when there is a single data-parallel rank.
                 leaf.process_group = None if mesh is None else mesh.get_group()
                 leaf.sync_on_compute = mesh is not None
+                if mesh is None:
+                    # A metric fed with update() keeps the sync decision it was built with
+                    # (sync_on_compute takes effect through forward() only), so the sync is
+                    # switched off where it is checked; otherwise compute() would gather over
+                    # every rank, which under a pipeline only the last stage reaches.
+                    leaf.distributed_available_fn = _never
         super().pre_val_epoch()
 
     def end_of_validation_set(self, result: dict[str, Any]) -> None:
@@ -84,18 +91,34 @@ class EvalMixin(AbstractTrainer):
 
     # -- computing -------------------------------------------------------------------------
     def compute_metrics(self) -> dict[str, float]:
-        """Compute every metric over all data-parallel ranks, then reset it (collective)."""
+        """Compute every metric over all data-parallel ranks, then reset it (collective).
+
+        Under a pipeline only the ranks holding the last stage see outputs (update metrics
+        inside ``loss_fn``): they compute, and every other stage receives their values.
+        """
+        pipeline = next((model for model in self.named_models().values()
+                         if isinstance(model, PipelineStages)), None)
         values: dict[str, float] = {}
         for attribute, metric in self.named_metrics().items():
             updated = any(leaf.update_count > 0 for leaf in _leaves(metric))
-            # Every rank must take part in the sync, so decide together.
-            if any_rank_failed(updated, self.world.device):
+            # Every rank that syncs must take part, so decide together.
+            if pipeline is not None:
+                # Decided among the last stage's data-parallel ranks, which sync its states.
+                dp_mesh = self.world.dp_mesh
+                if dp_mesh is not None:
+                    updated = any_rank_failed(updated, self.world.device, dp_mesh.get_group())
+                compute = pipeline.has_last_stage and updated
+            else:
+                compute = any_rank_failed(updated, self.world.device)
+            if compute:
                 computed = metric.compute()
                 if not isinstance(computed, dict):
                     computed = {type(metric).__name__: computed}
                 for name, value in computed.items():
                     values[f"{attribute}/{name}"] = _scalar(value)
             metric.reset()
+        if pipeline is not None:
+            values = pipeline.runner.from_last_stage(values)
         return values
 
     def evaluate(self, dataloader: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None
@@ -118,6 +141,10 @@ class EvalMixin(AbstractTrainer):
             raise ValueError("evaluate() needs a dataloader: pass one, or return a validation "
                              "loader from configure_dataloaders")
         return self.run_validation(dataloader)
+
+
+def _never() -> bool:
+    return False
 
 
 def _leaves(metric: Any) -> list[Any]:

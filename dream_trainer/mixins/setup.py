@@ -13,21 +13,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 
 from dream_trainer.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, ExportFormat
 from dream_trainer.configs.base import ConfigModel
-from dream_trainer.parallel.blocks import find_blocks
-from dream_trainer.parallel.data_parallel import DDPBackend
 from dream_trainer.parallel.materialize import (FullTensorInit, any_rank_failed,
                                                 find_uninitialized, has_meta_tensors,
                                                 materialize, parameters_named)
-from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.parallel.pipeline import PipelineStages
+from dream_trainer.data.loaders import prepare_loader
+from dream_trainer.mixins.parallelize import ParallelizeModels
 from dream_trainer.trainer.schedulers import step_with_metric, takes_metric
 from dream_trainer.trainer.validation import map_loaders, named_sets
-from dream_trainer.data.loaders import prepare_loader
 from dream_trainer.world.dims import MeshAxis
 
 if TYPE_CHECKING:
@@ -58,13 +56,18 @@ class SetupConfigMixin(ConfigModel):
     loader); ``step()`` does not step them."""
 
 
-class SetupMixin(AbstractTrainer):
+class SetupMixin(ParallelizeModels):
     """Builds everything ``fit()`` trains: models, optimizers, schedulers and dataloaders.
 
     ``configure()`` runs ``configure_models()`` under ``torch.device("meta")``: every
     ``nn.Module`` it assigns to ``self`` is a model, and none gets storage. ``setup()`` then
     runs, in this order:
 
+    0. ``apply_pipeline_parallel(pp_mesh)`` when ``pipeline_parallel > 1``: the model is split
+       into stages, steps 1-4 run once per stage of this rank (with the model attribute
+       bound to that stage), and the model attribute becomes a ``PipelineStages`` holding
+       them; materialization gives the weights a one-process run would have (DDP replicas
+       of stages are refused: they shard with FSDP2);
     1. ``apply_tensor_parallel(tp_mesh)`` when ``tensor_parallel > 1``;
     2. ``apply_activation_checkpointing()`` when ``checkpoint_activations``;
     3. ``apply_compile()`` when ``compile_model``;
@@ -176,67 +179,6 @@ class SetupMixin(AbstractTrainer):
         return export_live(self.named_models(), Path(path), format, self.map_exported_key,
                            dtype, max_shard_bytes)
 
-    # -- parallelism hooks -------------------------------------------------------------------------
-    def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
-        """Parallelize the models over ``tp_mesh`` (``parallelize_module``).
-
-        There is no sensible default for an arbitrary model, so a subclass that sets
-        ``tensor_parallel > 1`` must override this.
-        """
-        raise NotImplementedError(
-            f"tensor_parallel={tp_mesh.size()} needs a plan: override "
-            f"{type(self).__name__}.apply_tensor_parallel(tp_mesh)"
-        )
-
-    def apply_activation_checkpointing(self) -> None:
-        """Recompute each block's activations in backward (see ``find_blocks``).
-
-        Override to checkpoint a different set of modules.
-        """
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            checkpoint_wrapper)
-
-        for model in self.named_models().values():
-            for container, name, block in find_blocks(model):
-                setattr(container, name, checkpoint_wrapper(block))
-
-    def apply_compile(self) -> None:
-        """Compile each block with ``torch.compile`` (each whole model if it has none).
-
-        ``nn.Module.compile()`` silently leaves torch's built-in modules uncompiled, so blocks
-        are replaced by ``torch.compile(block)``; checkpoints strip the wrapper's prefix.
-        """
-        for name, model in self.named_models().items():
-            blocks = find_blocks(model)
-            if not blocks:
-                setattr(self, name, torch.compile(model))
-            for container, block_name, block in blocks:
-                setattr(container, block_name, torch.compile(block))
-
-    def apply_fully_shard(self, config: dict[str, Any]) -> None:
-        """Shard each block of every model with FSDP2, then the model itself.
-
-        Args:
-            config: Keyword arguments for ``fully_shard``: the mesh, the
-                ``MixedPrecisionPolicy`` and the offload policy built from
-                ``DeviceParameters``. Pass them on when overriding.
-        """
-        from torch.distributed.fsdp import fully_shard
-
-        for model in self.named_models().values():
-            if not any(p.requires_grad for p in model.parameters()):
-                continue
-            for _, _, block in find_blocks(model):
-                fully_shard(block, **config)
-            fully_shard(model, **config)
-
-    def apply_replicate(self, mesh: DeviceMesh) -> None:
-        """Replicate every model with trainable parameters over ``mesh`` with DDP."""
-        backend = DDPBackend()
-        for name, model in self.named_models().items():
-            if any(p.requires_grad for p in model.parameters()):
-                setattr(self, name, backend.wrap(model, mesh, self.world.device))
-
     # -- AbstractTrainer ---------------------------------------------------------------------
     def teardown(self) -> None:
         """Unwrap DDP models, so that ``self.model`` is the plain module after ``fit()``.
@@ -248,6 +190,8 @@ class SetupMixin(AbstractTrainer):
         for name, model in self.named_models().items():
             if isinstance(model, DistributedDataParallel):
                 setattr(self, name, model.module)
+            elif isinstance(model, PipelineStages):
+                model.release()
         gc.collect()
         super().teardown()
 
@@ -283,45 +227,22 @@ class SetupMixin(AbstractTrainer):
 
     def setup(self) -> None:
         """Parallelize, materialize and wrap the models; then optimizers, schedulers, data."""
-        self._apply_parallelism()
-        # A simulated rank (dream-trainer plan) materializes fake tensors: shapes, no storage.
-        with self.world.fake_mode or contextlib.nullcontext():
-            self._materialize_models()
         dims = self.world.dims
-        if dims.dp_replicate > 1 and dims.dp_shard == 1:
-            mesh = self.world.get_mesh(MeshAxis.DP_REPLICATE)
-            assert mesh is not None
-            self.apply_replicate(mesh)
+        replicate = dims.dp_replicate > 1 and dims.dp_shard == 1
+        if dims.pp > 1:
+            self._setup_pipeline(replicate)
+        else:
+            self._apply_parallelism()
+            # A simulated rank (dream-trainer plan) materializes fake tensors: shapes only.
+            with self.world.fake_mode or contextlib.nullcontext():
+                self._materialize_models()
+            if replicate:
+                mesh = self.world.get_mesh(MeshAxis.DP_REPLICATE)
+                assert mesh is not None
+                self.apply_replicate(mesh)
         self._setup_optimizers()
         self._setup_schedulers()
         self._setup_dataloaders()
-
-    def _apply_parallelism(self) -> None:
-        params = self.config.device_parameters
-        dims = self.world.dims
-        if dims.tp > 1:
-            tp_mesh = self.world.get_mesh(MeshAxis.TP)
-            assert tp_mesh is not None
-            self.apply_tensor_parallel(tp_mesh)
-        if params.checkpoint_activations:
-            self.apply_activation_checkpointing()
-        if params.compile_model:
-            self.apply_compile()
-        if dims.dp_shard > 1:
-            self.apply_fully_shard(self._fully_shard_config())
-
-    def _fully_shard_config(self) -> dict[str, Any]:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-
-        params = self.config.device_parameters
-        precision = MixedPrecisionPolicy(
-            param_dtype=None if params.param_dtype == torch.float32 else params.param_dtype,
-            reduce_dtype=params.reduce_dtype,
-        )
-        # Pinned memory needs an accelerator; on a CPU-only machine pinning fails.
-        offload = CPUOffloadPolicy(pin_memory=self.world.device.type == "cuda") \
-            if params.cpu_offload else OffloadPolicy()
-        return {"mesh": self.world.fsdp_mesh, "mp_policy": precision, "offload_policy": offload}
 
     def _materialize_models(self) -> None:
         device = self.world.device
@@ -336,6 +257,14 @@ class SetupMixin(AbstractTrainer):
             else:
                 model.to(device)
             loaded += parameters_named(model, names)
+        self._init_weights(loaded, pretrained)
+
+    def _init_weights(self, loaded: list[torch.Tensor] | None = None,
+                      pretrained: PretrainedWeights | None = None) -> None:
+        """Run ``init_weights()``, require every tensor to be initialized (but those
+        ``pretrained`` will set, in ``loaded``), then load ``pretrained``."""
+        device = self.world.device
+        loaded = loaded or []
         with FullTensorInit(skip=loaded):
             self.init_weights()
         if self.world.simulated:

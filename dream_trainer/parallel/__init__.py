@@ -7,5 +7,7 @@ are the trainer's own mechanisms, reached through ``DeviceParameters`` and ``Set
 from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.grad_norm import clip_grad_norm
 from dream_trainer.parallel.materialize import FullTensorInit
+from dream_trainer.parallel.pipeline import PipelineStages, split_model, stage_ids
 
-__all__ = ["FullTensorInit", "clip_grad_norm", "find_blocks"]
+__all__ = ["FullTensorInit", "PipelineStages", "clip_grad_norm", "find_blocks", "split_model",
+           "stage_ids"]

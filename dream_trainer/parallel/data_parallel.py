@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
+from dream_trainer.parallel.pipeline import PipelineStages
 from dream_trainer.world.dims import ParallelDims
 
 
@@ -79,9 +80,12 @@ class FSDPBackend(DataParallelBackend):
         # changes the shards before the next forward (EMA, a checkpoint load) would be ignored.
         from torch.distributed.fsdp import FSDPModule
 
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        # A pipeline's stage roots are FSDP modules outside its merged tree of submodules.
+        roots = model.stages if isinstance(model, PipelineStages) else [model]
+        for root in roots:
+            for module in root.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
 
 def backend_for(dims: ParallelDims) -> DataParallelBackend:

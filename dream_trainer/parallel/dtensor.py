@@ -25,3 +25,11 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     Under ``no_grad`` a DTensor's ``to_local()`` is its storage, so in-place ops write through.
     """
     return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of ``tensor`` as a plain tensor: a DTensor's ``full_tensor()`` (a collective
+    over its mesh unless it is replicated), or the tensor itself."""
+    if is_dtensor(tensor):
+        return tensor.full_tensor()  # type: ignore[attr-defined,no-any-return]
+    return tensor

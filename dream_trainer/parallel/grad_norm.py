@@ -5,18 +5,27 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dream_trainer.parallel.dtensor import is_dtensor
 
 
-def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None,
+                   pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Return the total 2-norm of the gradients, clipping them to ``max_norm`` if given.
 
     The norm is a 0-dim tensor on the gradients' device: nothing forces a host sync. DTensor
     gradients (FSDP2, TP) are grouped by mesh and placement, each group's norm is reduced over
     its mesh, and the groups combine with any plain gradients, so every rank gets the norm of
     the full gradient however the parameters are split.
+
+    Args:
+        parameters: This rank's parameters.
+        max_norm: Clip the total norm to this value; None only measures it.
+        pipeline_group: Under pipeline parallelism, the group of ranks holding the other
+            stages: their squared norms are added (one all-reduce), so every stage measures
+            and clips with the norm of the whole model.
     """
     params = list(parameters)
     groups: dict[Hashable, list[nn.Parameter]] = {}
@@ -26,14 +35,22 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -
             continue
         key = (grad.device_mesh, grad.placements) if is_dtensor(grad) else None
         groups.setdefault(key, []).append(param)
-    if not groups:
-        return torch.zeros((), device=params[0].device if params else None)
+    device = params[0].device if params else None
     norms = []
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         norms.append(norm.full_tensor() if is_dtensor(norm) else norm)
-    total = norms[0] if len(norms) == 1 else \
-        torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
+        # Every stage takes part, one without gradients too: a collective needs all ranks.
+        squares = torch.stack([n.to(device).float() ** 2 for n in norms]).sum() if norms \
+            else torch.zeros((), device=device)
+        dist.all_reduce(squares, group=pipeline_group)
+        total = squares.sqrt()
+    elif not norms:
+        return torch.zeros((), device=device)
+    else:
+        total = norms[0] if len(norms) == 1 else \
+            torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
     if max_norm is not None:
         for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)

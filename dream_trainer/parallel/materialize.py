@@ -118,12 +118,17 @@ def materialize(module: nn.Module, device: torch.device, skip: Collection[str] =
                 tensor.fill_(math.nan)
     with FullTensorInit(skip=parameters_named(module, skip) if skip else ()):
         for submodule in module.modules():
-            # torch's own nn.MultiheadAttention only has the private name.
-            reset = getattr(submodule, "reset_parameters", None) \
-                or getattr(submodule, "_reset_parameters", None)
-            if callable(reset):
-                reset()
+            reset_module(submodule)
         init_hf_models(module)
+
+
+def reset_module(module: nn.Module) -> None:
+    """Run ``module``'s own ``reset_parameters()`` (not its children's), if it has one."""
+    # torch's own nn.MultiheadAttention only has the private name.
+    reset = getattr(module, "reset_parameters", None) \
+        or getattr(module, "_reset_parameters", None)
+    if callable(reset):
+        reset()
 
 
 def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -173,11 +178,13 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(chunk).all()) for chunk in flat.split(_CHECK_ELEMENTS))
 
 
-def any_rank_failed(failed: bool, device: torch.device) -> bool:
-    """True on every rank when ``failed`` is True on any rank (one all-reduce)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def any_rank_failed(failed: bool, device: torch.device,
+                    group: dist.ProcessGroup | None = None) -> bool:
+    """True on every rank of ``group`` (default: all) when ``failed`` is True on any of them
+    (one all-reduce)."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return failed
     # gloo cannot all-reduce bool, so int32.
     flag = torch.tensor([int(failed)], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())

@@ -1,4 +1,5 @@
-"""``BaseTrainer``: the training loop, its counters, and the step API."""
+"""``BaseTrainer``: the training loop and its counters (the step API is in ``step_api``,
+validation in ``validation``)."""
 
 from __future__ import annotations
 
@@ -8,21 +9,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import Field
-from torch import nn
-from torch.optim.lr_scheduler import LRScheduler
+from pydantic import Field, model_validator
 
 from dream_trainer.callbacks.collection import CallbackCollection
+from dream_trainer.configs.device import pipeline_layout
 from dream_trainer.configs.training import TrainingParameters
 from dream_trainer.data.batch import move_to_device
 from dream_trainer.data.loaders import has_resumable_sampler, numbered_batches
 from dream_trainer.data.stream import TrainBatches
 from dream_trainer.parallel.data_parallel import DataParallelBackend, backend_for
-from dream_trainer.parallel.grad_norm import clip_grad_norm
 from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainerConfig, StopTraining
 from dream_trainer.trainer.item_weighting import ItemWeighting
-from dream_trainer.trainer.schedulers import takes_metric
+from dream_trainer.trainer.step_api import StepAPI
 from dream_trainer.trainer.validation import ValidationLoop, check_result, stop_is_an_error
 from dream_trainer.utils.averaging import ResultAverager
 from dream_trainer.world.world import DistributedWorld
@@ -38,8 +37,27 @@ class BaseTrainerConfig(AbstractTrainerConfig):
     callbacks: CallbackCollection = Field(default_factory=CallbackCollection)
     """Callbacks whose hooks run during ``fit()``, in this order."""
 
+    @model_validator(mode="after")
+    def _check_pipeline_batches(self) -> BaseTrainerConfig:
+        # Batch sizes live apart from the pipeline settings, so their fit is checked here; a
+        # degree of "auto" is checked on the first batch instead (see PipelineRunner).
+        params = self.device_parameters
+        if params.pipeline_parallel in (1, "auto"):
+            return self
+        _, microbatches = pipeline_layout(params, params.pipeline_parallel)
+        for field in ("train_batch_size", "val_batch_size"):
+            size = getattr(self.training_parameters, field)
+            if size % microbatches:
+                raise ValueError(
+                    f"training_parameters.{field}={size} does not split into "
+                    f"device_parameters.pipeline_microbatches={microbatches} (pipeline "
+                    f"microbatches are equal slices of each batch): make {field} a multiple "
+                    f"of {microbatches}, or set pipeline_microbatches to a divisor of it"
+                )
+        return self
 
-class BaseTrainer(ValidationLoop):
+
+class BaseTrainer(StepAPI, ValidationLoop):
     """The training loop: epochs, micro-batches, accumulation, validation and callbacks.
 
     Subclasses provide models, optimizers and data (``SetupMixin``) and the two steps.
@@ -317,100 +335,6 @@ class BaseTrainer(ValidationLoop):
         )
         for optimizer in self.named_optimizers().values():
             optimizer.zero_grad(set_to_none=True)
-
-    # -- the step API ----------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, num_items: int | torch.Tensor | None = None) -> None:
-        """Backpropagate ``loss`` so that the optimizer step sees the right average.
-
-        Without ``num_items``, ``loss`` is a mean over the micro-batch and is scaled by
-        ``1 / gradient_accumulation_steps``: the update is the mean over micro-batches and
-        ranks. With ``num_items=n``, ``loss`` is a *sum* over ``n`` items (valid tokens,
-        say): ``step()`` then scales the gradients so that the update is the mean over every
-        item of the global batch, however the items fall across micro-batches and ranks (see
-        ``ItemWeighting``). With float16 the loss is also multiplied by the gradient scaler's
-        scale. Gradient synchronisation is already disabled on accumulating micro-batches.
-
-        Args:
-            loss: A 0-dim loss tensor.
-            num_items: How many items ``loss`` sums over (an int or a 0-dim tensor; a tensor
-                is never read on the host).
-
-        Raises:
-            RuntimeError: if called outside a training step.
-            ValueError: if one accumulation window mixes calls with and without
-                ``num_items``.
-        """
-        if not self.training:
-            raise RuntimeError("backward() may only be called inside training_step")
-        if num_items is None:
-            self.item_weighting.note_unweighted()
-            accumulation = self.training_parameters.gradient_accumulation_steps
-            loss = loss / accumulation if accumulation > 1 else loss
-        else:
-            self.item_weighting.add(num_items)
-        self.precision.scale(loss).backward()
-
-    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-             scheduler: LRScheduler | None = None) -> torch.Tensor:
-        """Unscale (float16), clip, step the optimizer, zero the gradients, step the scheduler.
-
-        With float16 a step whose gradients overflowed is skipped by the scaler and counted in
-        ``precision.skipped_steps``. After ``backward(loss, num_items=n)`` the gradients are
-        first scaled to the mean over every item of the global batch.
-
-        Args:
-            model: The model whose gradient norm is measured and clipped.
-            optimizer: The optimizer to step.
-            scheduler: The scheduler to step; by default the one configured for ``optimizer``.
-
-        Returns:
-            The total gradient norm before clipping, a 0-dim tensor (no host sync).
-
-        Raises:
-            RuntimeError: if called on a micro-batch that is still accumulating.
-        """
-        if self.is_accumulating_gradients:
-            raise RuntimeError(
-                f"step() called on micro-batch {self._batch_idx}, which is still accumulating "
-                f"(gradient_accumulation_steps={self.training_parameters.gradient_accumulation_steps}): "
-                "call it only when `not self.is_accumulating_gradients`"
-            )
-        self._fire("pre_optimizer_step", model, optimizer)
-        self.precision.unscale_(optimizer)
-        if self.item_weighting.active:
-            dp_mesh = self.world.dp_mesh
-            self.item_weighting.scale_gradients(
-                model.parameters(), None if dp_mesh is None else dp_mesh.get_group(),
-                self.world.dp_size)
-        grad_norm = clip_grad_norm(model.parameters(), self.training_parameters.gradient_clip_val)
-        self.optimizer_step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        if scheduler is None:
-            scheduler = self._scheduler_for(optimizer)
-        elif takes_metric(scheduler):
-            raise ValueError(
-                f"step() cannot step {type(scheduler).__name__}: it steps on a metric, after "
-                "each validation pass (set scheduler_monitor), not after each optimizer step"
-            )
-        if scheduler is not None:
-            scheduler.step()
-        self._fire("post_optimizer_step", model, optimizer)
-        return grad_norm
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Apply the gradients: ``optimizer.step()``, through the gradient scaler with float16.
-
-        ``step()`` calls this after clipping and before zeroing the gradients. A mixin that
-        decides whether an update happens at all overrides it and calls ``super()`` only
-        when it does (``FaultTolerantMixin`` steps only when the replica groups commit).
-        """
-        self.precision.step(optimizer)
-
-    def _scheduler_for(self, optimizer: torch.optim.Optimizer) -> LRScheduler | None:
-        for scheduler in self.named_schedulers().values():
-            if scheduler.optimizer is optimizer and not takes_metric(scheduler):
-                return scheduler
-        return None
 
     # -- helpers ----------------------------------------------------------------------------------
     def _fire(self, hook: str, *args: Any) -> None:

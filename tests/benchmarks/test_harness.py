@@ -18,7 +18,7 @@ from tests.helpers.launch import REPO, check, child_env
 
 SECTIONS = {"step_overhead/mlp/1", "step_overhead/mlp/2", "startup", "training_memory",
             "meta_init_memory", "hf_load_memory", "checkpoint_speed", "stream_resume",
-            "gpu_throughput", "plan_scale"}
+            "gpu_throughput", "plan_scale", "pipeline_steps"}
 
 
 def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> None:
@@ -49,6 +49,10 @@ def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> 
     hf_load = results["sections"]["hf_load_memory"]
     assert all(hf_load[variant]["ratio_to_model"] > 0 and hf_load[variant]["seconds"] > 0
                for variant in ("init_weights_from", "from_pretrained"))
+    pipeline = results["sections"]["pipeline_steps"]
+    assert math.isfinite(pipeline["ratio_pipeline_to_one"]) \
+        and pipeline["ratio_pipeline_to_one"] > 0
+    assert pipeline["max_weight_difference"] < 1e-4  # the pipeline trained the same model
     # Without a GPU the last recorded GPU run is reported, with the device it ran on.
     gpu = results["sections"]["gpu_throughput"]
     assert gpu is None or "device" in gpu
@@ -61,3 +65,4 @@ def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> 
     assert any("BaseTrainer / hand-written" in row for row in table)
     assert any("import dream_trainer" in row for row in table)
     assert any("dream-trainer plan" in row and "peak RSS" in row for row in table)
+    assert any("pipeline_parallel=2" in row for row in table)

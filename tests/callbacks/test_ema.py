@@ -235,7 +235,7 @@ def test_fsdp_average_equals_single_process(runs: dict[str, dict[str, Any]]) -> 
 def test_fsdp_average_is_checkpointed_sharded(runs: dict[str, dict[str, Any]]) -> None:
     """DCP saved each rank's shard of the averages; one process reassembles them."""
     reader = dcp.FileSystemReader(runs["fsdp"]["checkpoint"])
-    prefix = "state.tensors.trainer.callbacks.EMA."
+    prefix = "state.trainer.callbacks.EMA."
     entries = {key: meta for key, meta in reader.read_metadata().state_dict_metadata.items()
                if key.startswith(prefix) and hasattr(meta, "chunks")}
     assert all(len(meta.chunks) == 2 for meta in entries.values())

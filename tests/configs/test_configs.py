@@ -69,7 +69,19 @@ def test_invalid_training_parameters_name_the_field(kwargs: dict[str, Any], fiel
     ({"dp_replicate": 0}, "greater than 0"),
     ({"tensor_parallel": -2}, "greater than 0"),
     ({"context_parallel": 2}, "context_parallel=2 is not supported yet"),
-    ({"pipeline_parallel": 2}, "pipeline_parallel=2 is not supported yet"),
+    ({"pipeline_parallel": 2, "pipeline_schedule": "GPipe", "pipeline_stages_per_rank": 2},
+     "pipeline_schedule='GPipe' runs one stage per rank but pipeline_stages_per_rank=2"),
+    ({"pipeline_parallel": 2, "pipeline_schedule": "DualPipeV", "pipeline_stages_per_rank": 1},
+     "pipeline_schedule='DualPipeV' places exactly 2 stages per rank in a V"),
+    ({"pipeline_parallel": 4, "pipeline_microbatches": 3},
+     "pipeline_microbatches=3 < 4 stages (pipeline_parallel=4 x pipeline_stages_per_rank=1)"),
+    ({"pipeline_parallel": 4, "pipeline_schedule": "Interleaved1F1B", "pipeline_microbatches": 9},
+     "pipeline_microbatches=9 is not a multiple of its 2 rounds"),
+    ({"pipeline_parallel": 2, "pipeline_schedule": "Looped"}, "pipeline_schedule"),
+    ({"pipeline_parallel": 2, "param_dtype": "fp16"}, "cannot run with param_dtype=float16"),
+    ({"loss_parallel": True}, "loss_parallel=True computes the loss over vocabulary-sharded"),
+    ({"pipeline_parallel": 2, "dp_replicate": 2},
+     "would wrap pipeline stages in DDP, which torch's pipelining cannot run"),
     ({"cpu_offload": True}, "cpu_offload=True needs FSDP2 sharding"),
     ({"device": "tpu"}, "device"),
     ({"init_timeout": timedelta(seconds=-1)}, "must be positive"),
@@ -99,6 +111,19 @@ def test_factories_describe_each_strategy() -> None:
     assert DeviceParameters.DDP(param_dtype="bf16").param_dtype is torch.bfloat16
     # Asking for one auto degree leaves dp_replicate fixed at 1 instead of clashing.
     assert DeviceParameters(tensor_parallel="auto").dp_replicate == 1
+
+
+def test_a_pipeline_shards_its_spare_ranks_by_default() -> None:
+    # DDP cannot wrap pipeline stages, so the data-parallel default becomes FSDP2.
+    pipeline = DeviceParameters(pipeline_parallel=2, tensor_parallel=2)
+    assert (pipeline.dp_replicate, pipeline.dp_shard) == (1, "auto")
+    hsdp = DeviceParameters.HSDP(dp_shard=2, pipeline_parallel=2)
+    assert (hsdp.dp_replicate, hsdp.dp_shard) == ("auto", 2)
+    assert DeviceParameters(pipeline_parallel=2, dp_shard=2).dp_replicate == "auto"
+    defaults = DeviceParameters(pipeline_parallel=2)
+    assert (defaults.pipeline_schedule, defaults.pipeline_microbatches,
+            defaults.pipeline_stages_per_rank, defaults.loss_parallel) == ("1F1B", None, None,
+                                                                           False)
 
 
 def test_val_batch_size_defaults_to_train_batch_size() -> None:

@@ -134,6 +134,19 @@ def test_char_gpt_loss_falls_and_the_run_says_where_its_files_went(
 
 
 @pytest.mark.distributed
+def test_char_gpt_trains_as_a_two_stage_pipeline(tmp_path: Path) -> None:
+    result = check(torchrun(CHAR_GPT, [*TINY_GPT, *SHORT_RUN, *PRETRAIN_SCHEDULE,
+                                       *output_dirs(tmp_path), "--training_parameters.n_epochs",
+                                       "1", "--device_parameters.pipeline_parallel", "2"]))
+    assert "parameters in rank 0's pipeline stage(s); starting at step 0" in result.stdout
+    losses = val_losses(result.stdout)
+    assert [step for step, _ in losses] == [0, STEPS_PER_EPOCH]
+    assert abs(losses[0][1] - 5.55) < 0.3 and losses[-1][1] < losses[0][1] - 1.5
+    assert "--- sample ---" not in result.stdout  # sampling calls the model directly
+    assert step_dirs(printed_path(result.stdout, "checkpoints")) == {f"step_{STEPS_PER_EPOCH}"}
+
+
+@pytest.mark.distributed
 def test_char_gpt_resumes_from_its_latest_checkpoint(pretrained: Pretrained,
                                                      tmp_path: Path) -> None:
     root = tmp_path / "run"

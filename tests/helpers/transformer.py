@@ -40,23 +40,33 @@ class Block(nn.Module):
 
 
 class TinyTransformer(nn.Module):
-    def __init__(self) -> None:
+    """Follows the pipeline convention: ``forward`` skips modules that are None (those that
+    other pipeline stages hold)."""
+
+    def __init__(self, layers: int = LAYERS) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Block() for _ in range(layers))
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
         for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
+            if layer is not None:
+                x = layer(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
 
 
 class TransformerConfig(BaseTrainerConfig, SetupConfigMixin):
     lr: float = 0.05
     n_sequences: int = 64
+    n_layers: int = LAYERS
 
 
 def transformer_config(device_parameters: DeviceParameters, batch: int,
@@ -71,7 +81,7 @@ class TransformerTrainer(BaseTrainer, SetupMixin):
     config: TransformerConfig
 
     def configure_models(self) -> None:
-        self.model = TinyTransformer()
+        self.model = TinyTransformer(self.config.n_layers)
 
     def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
@@ -80,7 +90,8 @@ class TransformerTrainer(BaseTrainer, SetupMixin):
         plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
                 "o": RowwiseParallel(), "w1": ColwiseParallel(), "w2": RowwiseParallel()}
         for block in self.model.layers:
-            parallelize_module(block, tp_mesh, plan)
+            if block is not None:  # under a pipeline, blocks of other stages are None
+                parallelize_module(block, tp_mesh, plan)
 
     def configure_optimizers(self) -> None:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.config.lr)
@@ -103,3 +114,34 @@ class TransformerTrainer(BaseTrainer, SetupMixin):
 
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         return {}
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of next-token logits ``(batch, seq, vocab)``."""
+    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
+
+
+class StepAPITrainer(TransformerTrainer):
+    """The tiny transformer trained through ``forward_backward``/``forward_loss``: this
+    training_step runs unchanged with and without a pipeline."""
+
+    def configure_dataloaders(self) -> tuple[DataLoader[Any], DataLoader[Any]]:
+        train, _ = super().configure_dataloaders()
+        generator = torch.Generator().manual_seed(4)
+        tokens = torch.randint(0, VOCAB, (16, SEQ + 1), generator=generator)
+        val = DataLoader(TensorDataset(tokens),
+                         batch_size=self.config.training_parameters.val_batch_size)
+        return train, val
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        (tokens,) = batch
+        loss = self.forward_backward(self.model, tokens[:, :-1], target=tokens[:, 1:],
+                                     loss_fn=next_token_loss)
+        if not self.is_accumulating_gradients:
+            return {"loss": loss, "grad_norm": self.step(self.model, self.optimizer)}
+        return {"loss": loss}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        (tokens,) = batch
+        return {"val_loss": self.forward_loss(self.model, tokens[:, :-1], target=tokens[:, 1:],
+                                              loss_fn=next_token_loss)}

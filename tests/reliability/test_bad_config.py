@@ -67,10 +67,19 @@ CASES: list[tuple[type[BaseModel], dict[str, Any], str]] = [
     (DeviceParameters, {"dp_shard": "auto", "tensor_parallel": "auto"}, "at most one mesh degree can be 'auto'"),
     (DeviceParameters, {"dp_replicate": "auto", "dp_shard": "auto"}, "dp_replicate and dp_shard"),
     (DeviceParameters, {"context_parallel": 2}, "context_parallel=2 is not supported yet: set context_parallel=1"),
-    (DeviceParameters, {"pipeline_parallel": "auto"}, "pipeline_parallel='auto' is not supported yet"),
+    (DeviceParameters, {"pipeline_parallel": 2, "pipeline_schedule": "ZBVZeroBubble",
+                        "pipeline_stages_per_rank": 3}, "set pipeline_stages_per_rank=2"),
     # Incompatible options.
     (DeviceParameters, {"cpu_offload": True}, "cpu_offload=True needs FSDP2 sharding: set dp_shard > 1"),
     (CheckpointParameters, {"load_weights_only": True}, "load_weights_only=True needs resume"),
+    (ToyConfig, {**IDENTITY, "device_parameters": {"pipeline_parallel": 2},
+                 "training_parameters": {"n_epochs": 1, "train_batch_size": 3}},
+     "training_parameters.train_batch_size=3 does not split into "
+     "device_parameters.pipeline_microbatches=2"),
+    (ToyConfig, {**IDENTITY, "device_parameters": {"pipeline_parallel": 2,
+                                                   "pipeline_microbatches": 4},
+                 "training_parameters": {**TRAINING, "val_batch_size": 6}},
+     "training_parameters.val_batch_size=6 does not split into"),
     (CheckpointParameters, {"keep_top_k": 2, "every_n_epochs": None}, "keep_top_k is set but no cadence is"),
     # Misspelled fields and bad callbacks.
     (TrainingParameters, {**TRAINING, "epochs": 3}, "epochs"),

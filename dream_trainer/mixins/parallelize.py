@@ -1,0 +1,214 @@
+"""How ``SetupMixin`` parallelizes the models: the overridable hooks (pipeline split, tensor
+parallelism, activation checkpointing, compilation, FSDP2, DDP) and the order they run in."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from abc import abstractmethod
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from dream_trainer.configs.device import ddp_pipeline_problem, pipeline_layout
+from dream_trainer.parallel.blocks import find_blocks
+from dream_trainer.parallel.data_parallel import DDPBackend
+from dream_trainer.parallel.materialize import has_meta_tensors
+from dream_trainer.parallel.pipeline import (PipelineStages, materialize_stages, split_model,
+                                             stage_ids)
+from dream_trainer.parallel.pipeline_schedule import PipelineRunner
+from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.world.dims import MeshAxis
+
+
+class ParallelizeModels(AbstractTrainer):
+    """The parallelism half of ``SetupMixin``: its hooks, which a trainer overrides for its
+    own models, and the order ``setup()`` applies them in."""
+
+    @abstractmethod
+    def _init_weights(self) -> None:
+        """Run ``init_weights()`` and check every tensor is initialized (``SetupMixin``)."""
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def apply_pipeline_parallel(self, pp_mesh: DeviceMesh) -> list[nn.Module]:
+        """Split the model into pipeline stages; return this rank's, one per ``stage_ids``.
+
+        The default is ``split_model(model, stage_ids(...), num_stages)``: the
+        blocks ``find_blocks`` finds are split evenly, modules before them go to the first
+        stage and after them to the last, and everything of other stages is set to None,
+        so the model's ``forward`` must skip None modules. Override it for a model that does
+        not follow that convention; return modules whose parameter names are the model's.
+
+        Args:
+            pp_mesh: The pipeline mesh.
+
+        Returns:
+            One module per stage in ``stage_ids(pp_mesh.get_local_rank(), pp_mesh.size(),
+            device_parameters)``, in that order.
+        """
+        params = self.config.device_parameters
+        ids = stage_ids(pp_mesh.get_local_rank(), pp_mesh.size(), params)
+        num_stages = pp_mesh.size() * pipeline_layout(params, pp_mesh.size())[0]
+        return split_model(getattr(self, _pipelined_model(self)), ids, num_stages)
+
+    def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
+        """Parallelize the models over ``tp_mesh`` (``parallelize_module``).
+
+        There is no sensible default for an arbitrary model, so a subclass that sets
+        ``tensor_parallel > 1`` must override this.
+        """
+        raise NotImplementedError(
+            f"tensor_parallel={tp_mesh.size()} needs a plan: override "
+            f"{type(self).__name__}.apply_tensor_parallel(tp_mesh)"
+        )
+
+    def apply_activation_checkpointing(self) -> None:
+        """Recompute each block's activations in backward (see ``find_blocks``).
+
+        Override to checkpoint a different set of modules.
+        """
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper)
+
+        for model in self.named_models().values():
+            for container, name, block in find_blocks(model):
+                setattr(container, name, checkpoint_wrapper(block))
+
+    def apply_compile(self) -> None:
+        """Compile each block with ``torch.compile`` (each whole model if it has none).
+
+        ``nn.Module.compile()`` silently leaves torch's built-in modules uncompiled, so blocks
+        are replaced by ``torch.compile(block)``; checkpoints strip the wrapper's prefix.
+        """
+        for name, model in self.named_models().items():
+            blocks = find_blocks(model)
+            if not blocks:
+                setattr(self, name, torch.compile(model))
+            for container, block_name, block in blocks:
+                setattr(container, block_name, torch.compile(block))
+
+    def apply_fully_shard(self, config: dict[str, Any]) -> None:
+        """Shard each block of every model with FSDP2, then the model itself.
+
+        Args:
+            config: Keyword arguments for ``fully_shard``: the mesh, the
+                ``MixedPrecisionPolicy`` and the offload policy built from
+                ``DeviceParameters``. Pass them on when overriding.
+        """
+        from torch.distributed.fsdp import fully_shard
+
+        for model in self.named_models().values():
+            if not any(p.requires_grad for p in model.parameters()):
+                continue
+            for _, _, block in find_blocks(model):
+                fully_shard(block, **config)
+            fully_shard(model, **config)
+
+    def apply_replicate(self, mesh: DeviceMesh) -> None:
+        """Replicate every model with trainable parameters over ``mesh`` with DDP."""
+        backend = DDPBackend()
+        for name, model in self.named_models().items():
+            if any(p.requires_grad for p in model.parameters()):
+                setattr(self, name, backend.wrap(model, mesh, self.world.device))
+
+    # -- applying them -------------------------------------------------------------------------
+    def _apply_parallelism(self) -> None:
+        params = self.config.device_parameters
+        dims = self.world.dims
+        if dims.tp > 1:
+            tp_mesh = self.world.get_mesh(MeshAxis.TP)
+            assert tp_mesh is not None
+            self.apply_tensor_parallel(tp_mesh)
+        if params.checkpoint_activations:
+            self.apply_activation_checkpointing()
+        if params.compile_model:
+            self.apply_compile()
+        if dims.dp_shard > 1:
+            self.apply_fully_shard(self._fully_shard_config())
+
+    def _setup_pipeline(self, replicate: bool) -> None:
+        """Split, parallelize each stage, materialize this rank's stages, wrap them.
+
+        Raises:
+            ValueError: if the data-parallel degree resolved to DDP replicas.
+        """
+        if replicate:
+            raise ValueError(ddp_pipeline_problem(self.world.dims.pp,
+                                                  self.world.dims.dp_replicate))
+        name = _pipelined_model(self)
+        if getattr(self.config, "init_weights_from", None) is not None:
+            raise ValueError(
+                "init_weights_from is not supported with pipeline_parallel > 1 yet: load the "
+                "pretrained weights in a run without a pipeline and resume this one from its "
+                "checkpoint (checkpoint_parameters.load_weights_only=True)"
+            )
+        model = getattr(self, name)
+        reference = copy.deepcopy(model) if has_meta_tensors(model) else None
+        pp_mesh = self.world.get_mesh(MeshAxis.PP)
+        assert pp_mesh is not None
+        params = self.config.device_parameters
+        ids = stage_ids(pp_mesh.get_local_rank(), pp_mesh.size(), params)
+        per_rank, microbatches = pipeline_layout(params, pp_mesh.size())
+        stages = self.apply_pipeline_parallel(pp_mesh)
+        if len(stages) != len(ids):
+            raise ValueError(f"apply_pipeline_parallel returned {len(stages)} stages; this rank "
+                             f"holds {len(ids)} (stages {ids})")
+        stages = [self._on_stage(name, stage, self._apply_parallelism) for stage in stages]
+        self.world.seed(self.config.seed)
+        with self.world.fake_mode or contextlib.nullcontext():
+            if reference is None:
+                for stage in stages:
+                    stage.to(self.world.device)
+            else:
+                materialize_stages(reference, stages, self.world.device)
+        runner = PipelineRunner(params.pipeline_schedule, microbatches, ids,
+                                pp_mesh.size() * per_rank, pp_mesh.size(), self._pp_group,
+                                self.world.device)
+        container = PipelineStages(stages, ids, pp_mesh.size() * per_rank, runner)
+        setattr(self, name, container)
+        with self.world.fake_mode or contextlib.nullcontext():
+            self._init_weights()
+
+    def _pp_group(self) -> Any:
+        mesh = self.world.get_mesh(MeshAxis.PP)
+        if mesh is None:
+            raise RuntimeError("the pipeline has no process group: the run is not launched")
+        return mesh.get_group()
+
+    def _on_stage(self, name: str, stage: nn.Module, hooks: Any) -> nn.Module:
+        """Run ``hooks()`` with the model attribute bound to ``stage``; return what the hooks
+        left there (a hook may replace the module, as compile and DDP do)."""
+        setattr(self, name, stage)
+        hooks()
+        return getattr(self, name)  # type: ignore[no-any-return]
+
+    def _fully_shard_config(self) -> dict[str, Any]:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        params = self.config.device_parameters
+        precision = MixedPrecisionPolicy(
+            param_dtype=None if params.param_dtype == torch.float32 else params.param_dtype,
+            reduce_dtype=params.reduce_dtype,
+        )
+        # Pinned memory needs an accelerator; on a CPU-only machine pinning fails.
+        offload = CPUOffloadPolicy(pin_memory=self.world.device.type == "cuda") \
+            if params.cpu_offload else OffloadPolicy()
+        return {"mesh": self.world.fsdp_mesh, "mp_policy": precision, "offload_policy": offload}
+
+
+def _pipelined_model(trainer: AbstractTrainer) -> str:
+    """The attribute of the one model a pipeline splits.
+
+    Raises:
+        ValueError: if ``configure_models`` assigned several models.
+    """
+    names = list(trainer.named_models())
+    if len(names) != 1:
+        raise ValueError(
+            f"pipeline_parallel > 1 splits one model into stages, but configure_models "
+            f"assigned {len(names)}: {names}; train them in separate runs, or set "
+            "pipeline_parallel=1"
+        )
+    return names[0]

@@ -1,0 +1,208 @@
+"""The step API: ``backward``, ``forward_backward``/``forward_loss`` and ``step``, the calls a
+``training_step`` makes, the same with or without a pipeline."""
+
+from __future__ import annotations
+
+import contextlib
+from abc import abstractmethod
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from dream_trainer.parallel.dtensor import full_value
+from dream_trainer.parallel.grad_norm import clip_grad_norm
+from dream_trainer.parallel.pipeline import PipelineStages
+from dream_trainer.parallel.pipeline_schedule import LossFn
+from dream_trainer.parallel.precision import Precision
+from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.trainer.item_weighting import ItemWeighting
+from dream_trainer.trainer.schedulers import takes_metric
+from dream_trainer.world.dims import MeshAxis
+
+
+class StepAPI(AbstractTrainer):
+    """The step half of ``BaseTrainer``: what ``training_step`` calls to turn a loss into an
+    optimizer step (gradient accumulation, token weighting, mixed precision, clipping, the
+    scheduler), whatever the parallel layout."""
+
+    precision: Precision
+    item_weighting: ItemWeighting
+    _batch_idx: int
+
+    @abstractmethod
+    def _fire(self, hook: str, *args: Any) -> None:
+        """Run a hook on the trainer and every callback (``BaseTrainer``)."""
+
+    def backward(self, loss: torch.Tensor, num_items: int | torch.Tensor | None = None) -> None:
+        """Backpropagate ``loss`` so that the optimizer step sees the right average.
+
+        Without ``num_items``, ``loss`` is a mean over the micro-batch and is scaled by
+        ``1 / gradient_accumulation_steps``: the update is the mean over micro-batches and
+        ranks. With ``num_items=n``, ``loss`` is a *sum* over ``n`` items (valid tokens,
+        say): ``step()`` then scales the gradients so that the update is the mean over every
+        item of the global batch, however the items fall across micro-batches and ranks (see
+        ``ItemWeighting``). With float16 the loss is also multiplied by the gradient scaler's
+        scale. Gradient synchronisation is already disabled on accumulating micro-batches.
+
+        Args:
+            loss: A 0-dim loss tensor.
+            num_items: How many items ``loss`` sums over (an int or a 0-dim tensor; a tensor
+                is never read on the host).
+
+        Raises:
+            RuntimeError: if called outside a training step.
+            ValueError: if one accumulation window mixes calls with and without
+                ``num_items``.
+        """
+        if not self.training:
+            raise RuntimeError("backward() may only be called inside training_step")
+        if self.world.dims.pp > 1:
+            raise RuntimeError(
+                "backward() cannot run under pipeline_parallel > 1: the pipeline schedule runs "
+                "forward and backward stage by stage. Replace `loss = loss_fn(self.model(x), "
+                "y); self.backward(loss)` with `loss = self.forward_backward(self.model, x, "
+                "target=y, loss_fn=loss_fn)`, which does the same without a pipeline"
+            )
+        if num_items is None:
+            self.item_weighting.note_unweighted()
+            accumulation = self.training_parameters.gradient_accumulation_steps
+            loss = loss / accumulation if accumulation > 1 else loss
+        else:
+            self.item_weighting.add(num_items)
+        self.precision.scale(loss).backward()
+
+    def forward_backward(self, model: nn.Module, *inputs: Any, target: Any, loss_fn: LossFn,
+                         num_items: int | torch.Tensor | None = None) -> torch.Tensor:
+        """Compute ``loss_fn(model(*inputs), target)`` and backpropagate it, with or without a
+        pipeline.
+
+        Without a pipeline this is ``loss = loss_fn(model(*inputs), target)`` then
+        ``backward(loss, num_items)``. Under ``pipeline_parallel > 1`` it runs the schedule:
+        the inputs feed the first stage and the target the last, each is split into
+        ``pipeline_microbatches`` along dim 0, and ``loss_fn`` runs per microbatch on the last
+        stage; the gradients are those of the whole micro-batch, accumulated as
+        ``backward()`` would. With ``loss_parallel`` the loss runs inside torch's
+        ``loss_parallel()``.
+
+        Args:
+            model: The model (under a pipeline, its ``PipelineStages``).
+            *inputs: The model's positional inputs.
+            target: The second argument of ``loss_fn``.
+            loss_fn: ``loss_fn(output, target) -> loss``: a mean over the batch, or a sum over
+                ``num_items`` items when ``num_items`` is given.
+            num_items: As for ``backward()``.
+
+        Returns:
+            The loss, detached: ``loss_fn``'s value on the whole micro-batch (under a
+            pipeline the mean of the microbatch losses, or their sum with ``num_items``), the
+            same on every rank, without a host sync.
+
+        Raises:
+            RuntimeError: if called outside a training step.
+            ValueError: if the batch does not split into the pipeline's microbatches.
+        """
+        if not self.training:
+            raise RuntimeError("forward_backward() may only be called inside training_step")
+        with self._loss_context():
+            if not isinstance(model, PipelineStages):
+                loss = loss_fn(model(*inputs), target)
+                self.backward(loss, num_items=num_items)
+                return full_value(loss.detach())  # a DTensor under loss_parallel
+            if num_items is None:
+                self.item_weighting.note_unweighted()
+                scale = 1.0 / self.training_parameters.gradient_accumulation_steps
+            else:
+                self.item_weighting.add(num_items)
+                scale = 1.0
+            return model.run(inputs, target, loss_fn, scale, num_items is not None)
+
+    def forward_loss(self, model: nn.Module, *inputs: Any, target: Any, loss_fn: LossFn,
+                     num_items: int | torch.Tensor | None = None) -> torch.Tensor:
+        """``forward_backward`` without the backward and without gradients, for
+        ``validation_step``: the same loss on every rank, under a pipeline or not.
+
+        Args:
+            model, inputs, target, loss_fn: As for ``forward_backward``.
+            num_items: Given when ``loss_fn`` returns a sum (the microbatch losses are then
+                added up, as in ``forward_backward``); not otherwise used.
+
+        Raises:
+            ValueError: if the batch does not split into the pipeline's microbatches.
+        """
+        with torch.no_grad(), self._loss_context():
+            if not isinstance(model, PipelineStages):
+                return full_value(loss_fn(model(*inputs), target).detach())
+            return model.run(inputs, target, loss_fn, None, num_items is not None)
+
+    def _loss_context(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.config.device_parameters.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler: LRScheduler | None = None) -> torch.Tensor:
+        """Unscale (float16), clip, step the optimizer, zero the gradients, step the scheduler.
+
+        With float16 a step whose gradients overflowed is skipped by the scaler and counted in
+        ``precision.skipped_steps``. After ``backward(loss, num_items=n)`` the gradients are
+        first scaled to the mean over every item of the global batch.
+
+        Args:
+            model: The model whose gradient norm is measured and clipped.
+            optimizer: The optimizer to step.
+            scheduler: The scheduler to step; by default the one configured for ``optimizer``.
+
+        Returns:
+            The total gradient norm before clipping, a 0-dim tensor (no host sync).
+
+        Raises:
+            RuntimeError: if called on a micro-batch that is still accumulating.
+        """
+        if self.is_accumulating_gradients:
+            raise RuntimeError(
+                f"step() called on micro-batch {self._batch_idx}, which is still accumulating "
+                f"(gradient_accumulation_steps={self.training_parameters.gradient_accumulation_steps}): "
+                "call it only when `not self.is_accumulating_gradients`"
+            )
+        self._fire("pre_optimizer_step", model, optimizer)
+        self.precision.unscale_(optimizer)
+        if self.item_weighting.active:
+            dp_mesh = self.world.dp_mesh
+            self.item_weighting.scale_gradients(
+                model.parameters(), None if dp_mesh is None else dp_mesh.get_group(),
+                self.world.dp_size)
+        pp_mesh = self.world.get_mesh(MeshAxis.PP)
+        grad_norm = clip_grad_norm(model.parameters(), self.training_parameters.gradient_clip_val,
+                                   pipeline_group=None if pp_mesh is None else pp_mesh.get_group())
+        self.optimizer_step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is None:
+            scheduler = self._scheduler_for(optimizer)
+        elif takes_metric(scheduler):
+            raise ValueError(
+                f"step() cannot step {type(scheduler).__name__}: it steps on a metric, after "
+                "each validation pass (set scheduler_monitor), not after each optimizer step"
+            )
+        if scheduler is not None:
+            scheduler.step()
+        self._fire("post_optimizer_step", model, optimizer)
+        return grad_norm
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apply the gradients: ``optimizer.step()``, through the gradient scaler with float16.
+
+        ``step()`` calls this after clipping and before zeroing the gradients. A mixin that
+        decides whether an update happens at all overrides it and calls ``super()`` only
+        when it does (``FaultTolerantMixin`` steps only when the replica groups commit).
+        """
+        self.precision.step(optimizer)
+
+    def _scheduler_for(self, optimizer: torch.optim.Optimizer) -> LRScheduler | None:
+        for scheduler in self.named_schedulers().values():
+            if scheduler.optimizer is optimizer and not takes_metric(scheduler):
+                return scheduler
+        return None

@@ -1,0 +1,164 @@
+"""The pipeline split, stage container and materialization, without a process group."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dream_trainer.configs import DeviceParameters
+from dream_trainer.parallel.materialize import materialize
+from dream_trainer.parallel.pipeline import (PipelineStages, describe_stage, materialize_stages,
+                                             split_model, stage_ids)
+from dream_trainer.parallel.pipeline_schedule import PipelineRunner
+from tests.helpers.toy import ToyTrainer, toy_config
+from tests.helpers.transformer import TinyTransformer
+
+
+def held(stage: nn.Module) -> list[str]:
+    return [name for name, _ in stage.named_parameters()]
+
+
+def meta_transformer(layers: int) -> nn.Module:
+    with torch.device("meta"):
+        return TinyTransformer(layers)
+
+
+@pytest.mark.parametrize(("schedule", "size", "rank", "expected"), [
+    ("1F1B", 2, 1, [1]),
+    ("Interleaved1F1B", 2, 0, [0, 2]),  # loop placement: stage s on rank s % 2
+    ("LoopedBFS", 4, 3, [3, 7]),
+    ("ZBVZeroBubble", 2, 0, [0, 3]),  # V placement: first and last stage on rank 0
+    ("DualPipeV", 4, 1, [1, 6]),
+])
+def test_stage_ids_follow_the_schedules_placement(schedule: str, size: int, rank: int,
+                                                  expected: list[int]) -> None:
+    params = DeviceParameters(pipeline_parallel=size, pipeline_schedule=schedule)
+    assert stage_ids(rank, size, params) == expected
+
+
+def test_the_default_split_keeps_every_name_and_sets_other_stages_to_none() -> None:
+    full = meta_transformer(4)
+    names = held(full)
+    first, last = split_model(meta_transformer(4), [0, 1], 2)
+    assert first.head is None and first.norm is None and last.embed is None
+    assert [block is None for block in first.layers] == [False, False, True, True]
+    assert [block is None for block in last.layers] == [True, True, False, False]
+    assert held(first) + held(last) == names  # nothing lost, nothing renamed
+    assert describe_stage(first) == "embed, layers.0-1"
+    assert describe_stage(last) == "layers.2-3, norm, head"
+
+
+def test_blocks_that_do_not_divide_go_to_the_earlier_stages() -> None:
+    stages = split_model(meta_transformer(5), [0, 1, 2, 3], 4)
+    assert [describe_stage(stage) for stage in stages] == [
+        "embed, layers.0-1", "layers.2", "layers.3", "layers.4, norm, head"]
+
+
+def test_a_v_rank_gets_a_copy_per_stage() -> None:
+    model = meta_transformer(4)
+    first, last = split_model(model, [0, 3], 4)
+    assert last is model and first is not model  # copies only for the extra stages
+    assert describe_stage(first) == "embed, layers.0"
+    assert describe_stage(last) == "layers.3, norm, head"
+
+
+def test_a_sequential_model_splits_at_its_blocks_and_skips_other_stages() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(0.0), nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    first, last = split_model(model, [0, 1], 2)
+    assert [entry is None for entry in first] == [False, False, False, True]
+    assert [entry is None for entry in last] == [True, True, True, False]
+    x = torch.randn(3, 4)
+    # Each stage's forward runs only its own entries; together they are the model.
+    torch.testing.assert_close(last(first(x)), reference(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("model", "stages", "message"), [
+    (nn.Linear(2, 2), 2, "has no blocks to split into 2 pipeline stages"),
+    (TinyTransformer(2), 4, "has 2 blocks, too few for 4 pipeline stages"),
+    (nn.ModuleDict({"a": nn.ModuleList([nn.Linear(2, 2)] * 2),
+                    "b": nn.ModuleList([nn.Linear(2, 2)] * 2)}), 2,
+     "holds blocks in more than one container"),
+])
+def test_models_the_default_split_cannot_handle_say_to_override(
+        model: nn.Module, stages: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as info:
+        split_model(model, [0], stages)
+    assert "apply_pipeline_parallel" in str(info.value) or "fewer stages" in str(info.value)
+
+
+def test_materialized_stages_hold_the_one_process_weights() -> None:
+    torch.manual_seed(7)
+    whole = meta_transformer(4)
+    materialize(whole, torch.device("cpu"))
+    after_whole = torch.rand(3)
+    torch.manual_seed(7)
+    reference = meta_transformer(4)
+    stages = split_model(copy.deepcopy(reference), [0, 1], 2)
+    materialize_stages(reference, stages, torch.device("cpu"))
+    after_stages = torch.rand(3)
+    container = PipelineStages(stages, [0, 1], 2)
+    expected = dict(whole.named_parameters())
+    assert dict(container.named_parameters()).keys() == expected.keys()
+    for name, param in container.named_parameters():
+        assert torch.equal(param, expected[name]), name
+    # The generator advanced as in one process, so init_weights() draws the same numbers.
+    assert torch.equal(after_stages, after_whole)
+
+
+def test_the_container_is_the_model_to_optimizers_state_dicts_and_modes() -> None:
+    model = TinyTransformer(4)
+    model.register_buffer("scale", torch.ones(2))  # a root buffer every stage keeps
+    state = model.state_dict()
+    stages = split_model(copy.deepcopy(model), [0, 1], 2)
+    container = PipelineStages(stages, [0, 1], 2)
+    assert list(container.state_dict()) == list(state)
+    assert container.has_first_stage and container.has_last_stage
+    assert container.layers[2] is stages[1].layers[2] and container.head is stages[1].head
+    # Loading reaches every stage, the buffer both stages hold included.
+    container.load_state_dict({key: torch.zeros_like(value) for key, value in state.items()})
+    assert all(not param.any() for stage in stages for param in stage.parameters())
+    assert not stages[0].scale.any() and not stages[1].scale.any()
+    container.eval()
+    assert not any(module.training for stage in stages for module in stage.modules())
+    with pytest.raises(RuntimeError, match="self.forward_backward"):
+        container(torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_a_batch_that_does_not_split_into_the_microbatches_is_refused() -> None:
+    runner = PipelineRunner("1F1B", 2, [0], 2, 2, lambda: None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="has 3 samples along dim 0, which do not split into "
+                                         "pipeline_microbatches=2"):
+        runner.run([nn.Linear(2, 2)], (torch.zeros(3, 2),), torch.zeros(3, 2), F.mse_loss,
+                   1.0, False)
+
+
+class StepAPIToy(ToyTrainer):
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        x, y = batch
+        loss = self.forward_backward(self.model, x, target=y, loss_fn=F.mse_loss)
+        if not self.is_accumulating_gradients:
+            return {"loss": loss, "grad_norm": self.step(self.model, self.optimizer)}
+        return {"loss": loss}
+
+
+def test_without_a_pipeline_forward_backward_is_loss_then_backward() -> None:
+    config = toy_config(gradient_accumulation_steps=2, max_steps=3)
+    plain, step_api = ToyTrainer(config), StepAPIToy(config)
+    plain.fit()
+    step_api.fit()
+    for (name, expected), (_, actual) in zip(plain.model.named_parameters(),
+                                             step_api.model.named_parameters(), strict=True):
+        assert torch.equal(actual, expected), name
+    with pytest.raises(RuntimeError, match="only be called inside training_step"):
+        step_api.forward_backward(step_api.model, torch.zeros(1, 8), target=torch.zeros(1, 4),
+                                  loss_fn=F.mse_loss)
+    value = step_api.forward_loss(step_api.model, torch.zeros(1, 8), target=torch.zeros(1, 4),
+                                  loss_fn=F.mse_loss)
+    assert value.shape == () and not value.requires_grad
