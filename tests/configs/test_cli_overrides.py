@@ -84,6 +84,6 @@ def test_help_lists_every_field_with_its_description_and_the_scripts_value(
     assert "Peak learning rate of AdamW." in out
     # argparse rewraps the help text: compare it with its whitespace folded.
     folded = " ".join(out.split())
-    assert ("Number of passes over the training data; None trains until max_steps (a stream "
-            "needs no epochs). (default: 20)") in folded
+    assert ("Number of passes over the training data; ``None`` trains until ``max_steps`` (a "
+            "stream needs no epochs). (default: 20)") in folded
     assert "Micro-batch size per rank. (default: 32)" in out
