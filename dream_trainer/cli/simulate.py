@@ -93,6 +93,13 @@ def _measure(trainer: BaseTrainer) -> RankPlan:
         trainer.config = trainer.config.model_copy(update={
             "device_parameters": device.model_copy(update={"compile_model": False})})
     dims = trainer.world.dims
+    if dims.pp > 1:
+        raise NotImplementedError(
+            f"plan cannot simulate pipeline_parallel={dims.pp} yet: a pipeline schedule's "
+            "point-to-point sends are neither run on fake tensors nor counted by torch's comm "
+            "debug mode; plan the layout of one stage (its share of the blocks) without the "
+            "pipeline instead"
+        )
     if dims.dp_replicate > 1 and dims.dp_shard == 1:
         raise NotImplementedError(
             f"plan cannot simulate DDP (dp_replicate={dims.dp_replicate} without dp_shard): "

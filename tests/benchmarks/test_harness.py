@@ -16,13 +16,15 @@ from pathlib import Path
 from tests.benchmarks.test_lightning_steps import LIGHTNING_PYTHON
 from tests.helpers.launch import REPO, check, child_env
 
-SECTIONS = {"step_overhead/mlp/1", "step_overhead/mlp/2", "startup", "training_memory",
-            "meta_init_memory", "hf_load_memory", "checkpoint_speed", "stream_resume",
-            "gpu_throughput", "plan_scale", "pipeline_steps"}
+# startup, meta_init_memory and checkpoint_speed run in quick mode in tests of their own
+# (tests/benchmarks/test_startup.py, ...): the harness run leaves them out to save a minute.
+SECTIONS = {"step_overhead/mlp/1", "step_overhead/mlp/2", "training_memory",
+            "hf_load_memory", "stream_resume", "gpu_throughput", "plan_scale", "pipeline_steps"}
 
 
 def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path),
+               "--only", *sorted({name.split("/")[0] for name in SECTIONS})]
     if LIGHTNING_PYTHON:
         command += ["--lightning-python", LIGHTNING_PYTHON]
     check(subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True,
@@ -37,11 +39,8 @@ def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> 
         expected = {"base", "dream"} | ({"lightning"} if LIGHTNING_PYTHON else set())
         assert set(overhead["ratio_to_hand"]) == expected
         assert all(math.isfinite(r) and r > 0 for r in overhead["ratio_to_hand"].values())
-    imports = results["sections"]["startup"]["imports"]
-    assert math.isfinite(imports["ratio_dream_trainer_to_torch"]["median"])
     memory = results["sections"]["training_memory"]
     assert memory["ratio_peak_above_baseline"]["median"] > 0
-    assert results["sections"]["checkpoint_speed"]["ratios"]
     stream = results["sections"]["stream_resume"]
     assert set(stream["seconds"]) == {"10%", "90%"}
     assert all(set(figures) == {"replay", "stateful"} and min(figures.values()) > 0
@@ -63,6 +62,5 @@ def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> 
     table = (tmp_path / "results.md").read_text().splitlines()
     assert table[:2] == ["| Benchmark | Figure |", "|---|---|"]
     assert any("BaseTrainer / hand-written" in row for row in table)
-    assert any("import dream_trainer" in row for row in table)
     assert any("dream-trainer plan" in row and "peak RSS" in row for row in table)
     assert any("pipeline_parallel=2" in row for row in table)

@@ -110,6 +110,14 @@ def test_ddp_is_refused_with_the_layouts_that_plan_can_simulate(
     assert "plan cannot simulate DDP" in capsys.readouterr().err
 
 
+def test_a_pipeline_is_refused_saying_what_to_plan_instead(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["plan", TARGET, "--world-size", "8", "--json", "--",
+                   "--device_parameters", '{"pipeline_parallel": 2, "dp_shard": "auto"}'])
+    assert status == 1
+    assert "plan cannot simulate pipeline_parallel=2 yet" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("arguments", "message"), [
     (["--world-size", "8,x"], "is not a comma-separated list of world sizes"),
     (["--world-size", "8", "--device-memory", "80 parsecs"], "is not a memory size"),
