@@ -30,13 +30,13 @@ import torch._dynamo  # noqa: F401  (part of the baseline, as in meta_init_memor
 import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
-from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.processes import child_env, current_rss_bytes, peak_rss_bytes
+from benchmarks.processes import child_env
+from benchmarks.setup_only import SetupOnlyTrainer
 
-from dream_trainer import BaseTrainer, BaseTrainerConfig
+from dream_trainer import BaseTrainerConfig
 from dream_trainer.configs import DeviceParameters, TrainingParameters
-from dream_trainer.mixins import SetupConfigMixin, SetupMixin
+from dream_trainer.mixins import SetupConfigMixin
 
 VARIANTS = ("init_weights_from", "from_pretrained")
 
@@ -81,11 +81,11 @@ class LoadConfig(BaseTrainerConfig, SetupConfigMixin):
     pretrained: Path
 
 
-class LoadTrainer(BaseTrainer, SetupMixin):
+class LoadTrainer(SetupOnlyTrainer):
     config: LoadConfig
 
     def pre_configure(self) -> None:
-        self.baseline = current_rss_bytes()
+        super().pre_configure()
         self.started = time.perf_counter()
 
     def configure_models(self) -> None:
@@ -101,19 +101,7 @@ class LoadTrainer(BaseTrainer, SetupMixin):
 
     def post_setup(self) -> None:
         self.seconds = time.perf_counter() - self.started
-        self.peak_above_baseline = peak_rss_bytes() - self.baseline
-
-    def configure_optimizers(self) -> None:
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.0)
-
-    def configure_dataloaders(self) -> tuple[DataLoader[Any], None]:
-        return DataLoader(TensorDataset(torch.zeros(2, 1)), batch_size=1), None
-
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        return {}
-
-    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        return {}
+        super().post_setup()
 
 
 def rank_main(variant: str, pretrained: str, out: str) -> None:

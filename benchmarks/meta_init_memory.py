@@ -26,13 +26,12 @@ import torch._dynamo  # noqa: F401  (part of the torch baseline, see the module 
 import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.processes import current_rss_bytes, peak_rss_bytes
+from benchmarks.setup_only import SetupOnlyTrainer
 
-from dream_trainer import BaseTrainer, BaseTrainerConfig
+from dream_trainer import BaseTrainerConfig
 from dream_trainer.configs import DeviceParameters, TrainingParameters
-from dream_trainer.mixins import SetupConfigMixin, SetupMixin
+from dream_trainer.mixins import SetupConfigMixin
 
 WIDTH = 2048
 LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 4
@@ -45,11 +44,8 @@ class MemoryConfig(BaseTrainerConfig, SetupConfigMixin):
     naive: bool = False
 
 
-class BigModelTrainer(BaseTrainer, SetupMixin):
+class BigModelTrainer(SetupOnlyTrainer):
     config: MemoryConfig
-
-    def pre_configure(self) -> None:
-        self.baseline = current_rss_bytes()
 
     def configure_models(self) -> None:
         def build() -> nn.Module:
@@ -60,21 +56,6 @@ class BigModelTrainer(BaseTrainer, SetupMixin):
                 self.model = build()
         else:
             self.model = build()
-
-    def post_setup(self) -> None:
-        self.peak_above_baseline = peak_rss_bytes() - self.baseline
-
-    def configure_optimizers(self) -> None:
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.0)
-
-    def configure_dataloaders(self) -> tuple[DataLoader[Any], None]:
-        return DataLoader(TensorDataset(torch.zeros(2, 1)), batch_size=1), None
-
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        return {}
-
-    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        return {}
 
 
 def rank_main(layers: int, naive: bool, out: str) -> None:

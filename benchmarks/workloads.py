@@ -82,3 +82,4 @@ def hand_written(kind: str, steps: int) -> tuple[list[float], nn.Module]:
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     return times, model
+

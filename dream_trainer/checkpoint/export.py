@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from dream_trainer.checkpoint.hf import (DEFAULT_MAX_SHARD_BYTES, ExportFormat, plan_shards,
-                                         replace_weights, shard_file_names, write_index)
+from dream_trainer.checkpoint.hf import (DEFAULT_MAX_SHARD_BYTES, ExportFormat, exported_names,
+                                         plan_shards, replace_weights, shard_file_names,
+                                         write_index)
 from dream_trainer.checkpoint.layout import CheckpointError, is_complete, verify_files
 
 
@@ -92,15 +93,7 @@ def _model_tensors(metadata: Any) -> dict[str, dict[str, Any]]:
 def _write_hf(reader: Any, model: str, tensors: dict[str, Any], dtype: torch.dtype | None,
               map_key: Callable[[str, str], str | None] | None, max_shard_bytes: int,
               target: Path) -> None:
-    renamed: dict[str, str] = {}  # exported key -> checkpoint key
-    for name in tensors:
-        key = map_key(model, name) if map_key is not None else name
-        if key is None:
-            continue
-        if key in renamed:
-            raise ValueError(f"map_exported_key({model!r}, ...) maps both {renamed[key]!r} "
-                             f"and {name!r} to {key!r}: each exported key must be unique")
-        renamed[key] = name
+    renamed = exported_names(model, tensors, map_key)  # exported key -> checkpoint key
     sizes = {key: _exported_bytes(tensors[name], dtype) for key, name in renamed.items()}
     shards = plan_shards(sizes, max_shard_bytes)
     staging = target.parent / f".{target.name}.partial"

@@ -13,7 +13,7 @@ import json
 import logging
 import shutil
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -126,8 +126,7 @@ def exported_state(name: str, model: nn.Module, map_key: KeyMap | None,
 
     groups = tied_groups(model)
     seen_groups: set[int] = set()
-    exported: dict[str, torch.Tensor] = {}
-    origin: dict[str, str] = {}
+    tensors: dict[str, torch.Tensor] = {}
     for key, tensor in get_model_state_dict(model).items():
         if not isinstance(tensor, torch.Tensor):
             continue
@@ -136,17 +135,32 @@ def exported_state(name: str, model: nn.Module, map_key: KeyMap | None,
             if group in seen_groups:
                 continue
             seen_groups.add(group)
-        target = map_key(name, key) if map_key is not None else key
+        tensors[key] = tensor
+    exported = {}
+    for target, key in exported_names(name, tensors, map_key).items():
+        tensor = tensors[key]
+        exported[target] = tensor.to(dtype) if dtype is not None \
+            and tensor.is_floating_point() else tensor
+    return exported
+
+
+def exported_names(model: str, keys: Iterable[str],
+                   map_key: KeyMap | None) -> dict[str, str]:
+    """``{exported key: the model's key}``: each key through ``map_key`` (None drops it).
+
+    Raises:
+        ValueError: if two keys map to the same exported key.
+    """
+    renamed: dict[str, str] = {}
+    for key in keys:
+        target = map_key(model, key) if map_key is not None else key
         if target is None:
             continue
-        if target in exported:
-            raise ValueError(f"map_exported_key({name!r}, ...) maps both {origin[target]!r} "
+        if target in renamed:
+            raise ValueError(f"map_exported_key({model!r}, ...) maps both {renamed[target]!r} "
                              f"and {key!r} to {target!r}: each exported key must be unique")
-        origin[target] = key
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        exported[target] = tensor
-    return exported
+        renamed[target] = key
+    return renamed
 
 
 def export_live(models: Mapping[str, nn.Module], path: Path, format: ExportFormat,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers.checkpointing import assert_same_state
-from tests.helpers.launch import REPO, child_env, spawn_ranks, torchrun
+from tests.helpers.launch import REPO, child_env, run_script, spawn_ranks
 
 SCRIPT = REPO / "tests/scripts/checkpoint_run.py"
 
@@ -23,11 +23,7 @@ KILLS = {1: ["step:1", "step:6", "epoch_end:0", "val:1", "step:23", "step:26"],
 
 
 def run(nproc: int, *args: str | Path) -> subprocess.CompletedProcess[str]:
-    arguments = [str(a) for a in args]
-    if nproc == 1:
-        return subprocess.run([sys.executable, str(SCRIPT), *arguments], env=child_env(),
-                              cwd=REPO, capture_output=True, text=True, timeout=240)
-    return torchrun(SCRIPT, arguments, nproc=nproc)
+    return run_script(SCRIPT, nproc, *args)
 
 
 def run_until_done(nproc: int, *args: str | Path, attempts: int = 10) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers.checkpointing import assert_same_state
-from tests.helpers.launch import REPO, child_env, torchrun
+from tests.helpers.launch import REPO, run_script
 
 pytestmark = pytest.mark.distributed
 
@@ -25,11 +24,7 @@ SCRIPT = REPO / "tests/scripts/pipeline_checkpoint.py"
 
 
 def run(pp: int, *args: str | Path) -> subprocess.CompletedProcess[str]:
-    arguments = [str(a) for a in args] + ["--pp", str(pp)]
-    if pp == 1:
-        return subprocess.run([sys.executable, str(SCRIPT), *arguments], env=child_env(),
-                              cwd=REPO, capture_output=True, text=True, timeout=240)
-    return torchrun(SCRIPT, arguments, nproc=pp)
+    return run_script(SCRIPT, pp, *args, "--pp", str(pp))
 
 
 def states(prefix: Path | str, ranks: int) -> list[dict[str, Any]]:

@@ -5,24 +5,19 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.launch import REPO, child_env, torchrun
+from tests.helpers.launch import REPO, run_script
 
 SCRIPT = REPO / "tests/scripts/stream_run.py"
 BATCH, CHECKPOINT_STEP = 4, 4
 
 
 def run(nproc: int, *args: str | Path) -> subprocess.CompletedProcess[str]:
-    arguments = [str(a) for a in args]
-    if nproc == 1:
-        return subprocess.run([sys.executable, str(SCRIPT), *arguments], env=child_env(),
-                              cwd=REPO, capture_output=True, text=True, timeout=240)
-    return torchrun(SCRIPT, arguments, nproc=nproc)
+    return run_script(SCRIPT, nproc, *args)
 
 
 def reads(log: Path) -> set[int]:

@@ -44,6 +44,17 @@ def torchrun(script: str | Path, args: Sequence[str] = (), nproc: int = 2,
                           timeout=timeout)
 
 
+def run_script(script: str | Path, nproc: int, *args: str | Path,
+               timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` with ``args`` as one plain process (``nproc=1``, no launcher) or under
+    torchrun with ``nproc`` ranks; capture its output."""
+    arguments = [str(arg) for arg in args]
+    if nproc == 1:
+        return subprocess.run([sys.executable, str(script), *arguments], env=child_env(),
+                              cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return torchrun(script, arguments, nproc=nproc, timeout=timeout)
+
+
 def torchrun_nodes(script: str | Path, args: Sequence[str] = (), nnodes: int = 2,
                    timeout: float = 240) -> list[subprocess.CompletedProcess[str]]:
     """Start ``nnodes`` torchrun agents, one process each, that meet through a c10d
