@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -12,11 +13,29 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+# Ports are drawn below Linux's ephemeral range (32768-60999): a port the OS chose for bind(0)
+# is free only until some process's outgoing connection (gloo opens many) takes it as its
+# local port, before the launcher that was given it binds it.
+_PORTS = range(20_000, 32_000)
+_given: set[int] = set()
+# Its own generator: a test that seeds `random` must not make two suites draw the same ports.
+_draw = random.Random()
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago (bind port 0 and let the OS choose)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port that is free now, outside the ephemeral range and never given out before
+    by this process (two launches of one test must not be handed the same port)."""
+    while True:
+        port = _draw.choice(_PORTS)
+        if port in _given:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
 
 
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -79,14 +79,15 @@ def lighthouse_command(min_replicas: int) -> Iterator[str]:
 
 
 class Group:
-    """One replica group: a torchrun job that restarts its workers once if they die."""
+    """One replica group: a torchrun job that restarts its workers if they die (twice at
+    most: the test kills them once; the second restart absorbs a start that failed under load)."""
 
     def __init__(self, out: Path, replica_id: int, groups: int, nproc: int, min_replicas: int,
                  address: str, extra: list[str]) -> None:
         self.out, self.replica_id, self.nproc = out, replica_id, nproc
         self.log = (out / f"torchrun_{replica_id}.log").open("w")
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                   "--max-restarts=1", "--monitor-interval=0.2", "--rdzv_backend=c10d",
+                   "--max-restarts=2", "--monitor-interval=0.2", "--rdzv_backend=c10d",
                    f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(SCRIPT), "--out", str(out),
                    "--replica-id", str(replica_id), "--groups", str(groups), "--min-replicas",
                    str(min_replicas), "--lighthouse", address, "--dp-shard", str(nproc), *extra]
