@@ -3,6 +3,7 @@ torch's fake backend, measured."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import itertools
 import sys
@@ -19,7 +20,9 @@ from dream_trainer.callbacks.callback import Callback
 from dream_trainer.callbacks.collection import CallbackCollection
 from dream_trainer.cli.session import attach, sandboxed, set_up
 from dream_trainer.planning.comms import AxisCommMode, group_axes
+from dream_trainer.parallel.pipeline import PipelineStages
 from dream_trainer.planning.memory import StepMemory, optimizer_tensors, storages
+from dream_trainer.planning.pipeline import BoundariesNeeded, PlannedPipeline
 from dream_trainer.planning.report import RankPlan
 from dream_trainer.trainer.base import BaseTrainer
 from dream_trainer.world.environment import LaunchEnvironment
@@ -65,10 +68,15 @@ def plan_rank(load: Callable[[], BaseTrainer], world_size: int, rank: int,
     outcome: list[RankPlan | BaseException] = []
 
     def run() -> None:
+        boundaries = None
         try:
-            with env.activate():
-                trainer = load()
-            outcome.append(_measure(trainer))
+            while not outcome:
+                with env.activate():
+                    trainer = load()
+                try:
+                    outcome.append(_measure(trainer, boundaries))
+                except BoundariesNeeded as needed:  # a pipeline: once, before its step
+                    boundaries = needed.shapes()
         except BaseException as exc:  # re-raised on the caller's thread
             outcome.append(exc)
 
@@ -86,20 +94,14 @@ def plan_rank(load: Callable[[], BaseTrainer], world_size: int, rank: int,
     return result
 
 
-def _measure(trainer: BaseTrainer) -> RankPlan:
+def _measure(trainer: BaseTrainer,
+             boundaries: dict[int, tuple[torch.Size, torch.dtype]] | None) -> RankPlan:
     device = trainer.config.device_parameters
     if device.compile_model:
         # Compiling would trace the fake step for nothing: the memory is the eager one's.
         trainer.config = trainer.config.model_copy(update={
             "device_parameters": device.model_copy(update={"compile_model": False})})
     dims = trainer.world.dims
-    if dims.pp > 1:
-        raise NotImplementedError(
-            f"plan cannot simulate pipeline_parallel={dims.pp} yet: a pipeline schedule's "
-            "point-to-point sends are neither run on fake tensors nor counted by torch's comm "
-            "debug mode; plan the layout of one stage (its share of the blocks) without the "
-            "pipeline instead"
-        )
     if dims.dp_replicate > 1 and dims.dp_shard == 1:
         raise NotImplementedError(
             f"plan cannot simulate DDP (dp_replicate={dims.dp_replicate} without dp_shard): "
@@ -108,6 +110,7 @@ def _measure(trainer: BaseTrainer) -> RankPlan:
         )
     trainer.callbacks = CallbackCollection()
     probe = _GradientProbe()
+    references = _keep_unsplit_models(trainer) if dims.pp > 1 else {}
     with sandboxed(trainer):
         attach(trainer, probe)
         with set_up(trainer):
@@ -117,6 +120,11 @@ def _measure(trainer: BaseTrainer) -> RankPlan:
             memory = StepMemory()
             probe.memory = memory
             comms = AxisCommMode(group_axes(world))
+            for name, model in trainer.named_models().items():
+                if isinstance(model, PipelineStages) and model.runner is not None:
+                    model.runner = PlannedPipeline(model.runner, references[name],
+                                                   device.param_dtype, comms.record,
+                                                   boundaries)
             with world.fake_mode, comms, memory, warnings.catch_warnings():
                 # The comm mode's module hooks make torch warn about full backward hooks.
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -142,6 +150,22 @@ def _measure(trainer: BaseTrainer) -> RankPlan:
                 micro_batches=len(batches),
                 batch_source=source,
             )
+
+
+def _keep_unsplit_models(trainer: BaseTrainer) -> dict[str, torch.nn.Module]:
+    """Have the trainer's pipeline split keep a copy of each model as it was before (on the
+    meta device, so free), for ``PlannedPipeline`` to find the stage boundaries' shapes."""
+    references: dict[str, torch.nn.Module] = {}
+    split = trainer.apply_pipeline_parallel  # type: ignore[attr-defined]
+
+    def keep_and_split(pp_mesh: Any) -> Any:
+        for name, model in trainer.named_models().items():
+            if all(tensor.is_meta for tensor in model.parameters()):
+                references[name] = copy.deepcopy(model)
+        return split(pp_mesh)
+
+    trainer.apply_pipeline_parallel = keep_and_split  # type: ignore[attr-defined]
+    return references
 
 
 def _window(trainer: BaseTrainer) -> tuple[list[Any], str]:

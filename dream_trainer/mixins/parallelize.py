@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dream_trainer.configs.device import ddp_pipeline_problem, pipeline_layout
 from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.data_parallel import DDPBackend
-from dream_trainer.parallel.materialize import has_meta_tensors
+from dream_trainer.parallel.materialize import has_meta_tensors, materialize
 from dream_trainer.parallel.pipeline import (PipelineStages, materialize_stages, split_model,
                                              stage_ids)
 from dream_trainer.parallel.pipeline_schedule import PipelineRunner
@@ -161,6 +161,10 @@ class ParallelizeModels(AbstractTrainer):
             if reference is None:
                 for stage in stages:
                     stage.to(self.world.device)
+            elif self.world.fake_mode is not None:
+                # A simulated rank (dream-trainer plan) has no values to reproduce.
+                for stage in stages:
+                    materialize(stage, self.world.device)
             else:
                 materialize_stages(reference, stages, self.world.device)
         runner = PipelineRunner(params.pipeline_schedule, microbatches, ids,

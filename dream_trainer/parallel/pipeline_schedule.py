@@ -111,7 +111,7 @@ class PipelineRunner:
             ValueError: if a tensor's first dimension does not split into the microbatches.
         """
         n = self.microbatches
-        self._check_split(inputs, target)
+        self.check_split(inputs, target)
         training = loss_scale is not None
         slot = self._slot
         slot.loss_fn = loss_fn
@@ -142,11 +142,15 @@ class PipelineRunner:
             raise
         finally:
             slot.loss_fn = None
-        losses = slot.unscaled(returned)
-        if has_last:
+        return self.shared_loss(slot.unscaled(returned), sum_losses)
+
+    def shared_loss(self, losses: list[torch.Tensor], sum_losses: bool) -> torch.Tensor:
+        """The mean (or sum) of the last stage's microbatch ``losses``, broadcast from it to
+        every stage (the others pass an empty list)."""
+        if self.num_stages - 1 in self.stage_ids:
             total = torch.stack(losses).sum()
             if not sum_losses:
-                total = total / n
+                total = total / self.microbatches
         else:
             total = torch.zeros((), dtype=torch.float32, device=self.device)
         dist.broadcast(total, group=self.group, group_src=self.last_stage_rank)
@@ -163,8 +167,8 @@ class PipelineRunner:
         n = self.microbatches
         modules = dict(zip(self.stage_ids, stages))
         me = dist.get_rank(self.group)
-        input_chunks = list(zip(*(_split(value, n) for value in inputs))) or [()] * n
-        target_chunks = _split(target, n)
+        input_chunks = list(zip(*(split_microbatches(value, n) for value in inputs))) or [()] * n
+        target_chunks = split_microbatches(target, n)
         losses = []
         for mb in range(n):
             carried: Any = None
@@ -224,7 +228,27 @@ class PipelineRunner:
         self._schedules.clear()
         self._group = None
 
-    def _check_split(self, inputs: tuple[Any, ...], target: Any) -> None:
+    def pipeline_stages(self, stages: Sequence[nn.Module]) -> list[Any]:
+        """``stages`` wrapped in torch's ``PipelineStage``, on this runner's group."""
+        from torch.distributed.pipelining import PipelineStage
+
+        return [PipelineStage(module, stage, self.num_stages, self.device, group=self.group)
+                for module, stage in zip(stages, self.stage_ids)]
+
+    def torch_schedule(self, pipeline_stages: list[Any], loss_fn: Callable[..., Any]) -> Any:
+        """A new torch schedule of this kind over ``pipeline_stages``, with
+        ``scale_grads=False``."""
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        schedule_class = get_schedule_class(self.schedule_name)
+        return schedule_class(
+            pipeline_stages[0] if self.schedule_name in SINGLE_STAGE_SCHEDULES
+            else pipeline_stages,
+            n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False,
+        )
+
+    def check_split(self, inputs: tuple[Any, ...], target: Any) -> None:
+        """Raise the ValueError of a batch that does not split into the microbatches."""
         n = self.microbatches
         for what, value in [*(("input", value) for value in inputs), ("target", target)]:
             if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] % n:
@@ -241,19 +265,7 @@ class PipelineRunner:
         if key in self._schedules:
             self._schedules[key] = self._schedules.pop(key)  # most recently used last
             return self._schedules[key], False
-        from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining.schedules import get_schedule_class
-
-        pipeline_stages = [
-            PipelineStage(module, stage, self.num_stages, self.device, group=self.group)
-            for module, stage in zip(stages, self.stage_ids)
-        ]
-        schedule_class = get_schedule_class(self.schedule_name)
-        schedule = schedule_class(
-            pipeline_stages[0] if self.schedule_name in SINGLE_STAGE_SCHEDULES
-            else pipeline_stages,
-            n_microbatches=self.microbatches, loss_fn=self._slot, scale_grads=False,
-        )
+        schedule = self.torch_schedule(self.pipeline_stages(stages), self._slot)
         if len(self._schedules) >= _KEPT_SCHEDULES:
             del self._schedules[next(iter(self._schedules))]
         self._schedules[key] = schedule
@@ -265,7 +277,7 @@ def _shapes(values: tuple[Any, ...]) -> tuple[Any, ...]:
                  for value in values)
 
 
-def _split(value: Any, n: int) -> list[Any]:
+def split_microbatches(value: Any, n: int) -> list[Any]:
     """``n`` equal slices of a tensor along dim 0; anything else repeated ``n`` times."""
     if isinstance(value, torch.Tensor) and value.dim():
         return list(value.tensor_split(n))

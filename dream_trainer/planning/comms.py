@@ -62,6 +62,10 @@ class AxisCommMode(CommDebugMode):
 
     def __init__(self, axes: Mapping[str, str]) -> None:
         super().__init__()
+        # torch's per-module tracking registers another forward hook on a module each time
+        # it runs, so a module run twice in one step (microbatches, gradient accumulation)
+        # fails it; it only feeds the per-module tables, which a plan does not print.
+        self.advanced_module_tracker = _Untracked()  # type: ignore[assignment]
         self.axes = dict(axes)
         self.traffic: dict[str, AxisTraffic] = {}
         self.kinds: dict[str, dict[str, AxisTraffic]] = {}
@@ -72,16 +76,34 @@ class AxisCommMode(CommDebugMode):
         counted = self.get_total_counts()
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if self.get_total_counts() > counted:  # CommDebugMode counted it as a collective
-            axis, payload = self._axis(args, kwargs or {}), _payload(args, out)
-            self.traffic.setdefault(axis, AxisTraffic()).add(payload)
-            self.kinds.setdefault(axis, {}).setdefault(_kind(func), AxisTraffic()).add(payload)
+            self.record(self._axis(args, kwargs or {}), _kind(func), _payload(args, out))
         return out
+
+    def record(self, axis: str, kind: str, payload: int) -> None:
+        """File a message the dispatcher does not see (a pipeline's sends and receives)."""
+        self.traffic.setdefault(axis, AxisTraffic()).add(payload)
+        self.kinds.setdefault(axis, {}).setdefault(kind, AxisTraffic()).add(payload)
 
     def _axis(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         name = _group_name(args, kwargs)
         if name is None:
             return "unknown group"
         return self.axes.get(name, f"group {name}")
+
+
+class _Untracked:
+    """What ``CommDebugMode`` reads of its module tracker, always at the top level."""
+
+    name = "Global"
+    is_bw = False
+    activation_checkpointing = False
+    module_parents_dict: dict[str, set[str]] = {"Global": set()}
+
+    def __enter__(self) -> _Untracked:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        return None
 
 
 def _group_name(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

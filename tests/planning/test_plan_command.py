@@ -110,12 +110,21 @@ def test_ddp_is_refused_with_the_layouts_that_plan_can_simulate(
     assert "plan cannot simulate DDP" in capsys.readouterr().err
 
 
-def test_a_pipeline_is_refused_saying_what_to_plan_instead(
+def test_a_pipeline_plans_its_sends_on_the_pp_axis_and_needs_the_step_api(
         capsys: pytest.CaptureFixture[str]) -> None:
-    status = main(["plan", TARGET, "--world-size", "8", "--json", "--",
-                   "--device_parameters", '{"pipeline_parallel": 2, "dp_shard": "auto"}'])
-    assert status == 1
-    assert "plan cannot simulate pipeline_parallel=2 yet" in capsys.readouterr().err
+    pipeline = ["--", "--device_parameters", '{"pipeline_parallel": 2, "dp_shard": "auto", '
+                '"pipeline_schedule": "1F1B", "pipeline_microbatches": 2}']
+    assert main(["plan", f"{SCRIPT}:make_pipeline_trainer", "--world-size", "8", "--json",
+                 *pipeline]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["mesh"] == {"pp": 2, "dp_shard": 4}
+    activation = BATCH // 2 * SEQ * DIM * 4  # one microbatch's float32 hidden states
+    for rank in ("0", "7"):  # the first stage sends activations, the last sends gradients
+        assert plan["ranks"][rank]["collectives"]["pp"]["bytes"] >= 4 * activation
+    # A training_step that calls the model itself cannot run as a pipeline: the plan says so
+    # as the run would.
+    assert main(["plan", TARGET, "--world-size", "8", *pipeline]) == 1
+    assert "call self.forward_backward(self.model" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("arguments", "message"), [

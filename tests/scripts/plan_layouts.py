@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from dream_trainer.cli.simulate import plan_rank
-from tests.scripts.plan_trainer import make_trainer
+from tests.scripts.plan_trainer import make_pipeline_trainer, make_trainer
 
 
 def main() -> None:
@@ -30,7 +30,9 @@ def main() -> None:
         for world_size in map(int, args.sizes.split(",")):
             results[name][world_size] = {}
             for rank in sorted({0, world_size - 1}):
-                plan = plan_rank(lambda: make_trainer(["--device_parameters", device]),
+                # A pipeline needs the step API; the others use backward() as most users do.
+                make = make_pipeline_trainer if "pipeline_parallel" in device else make_trainer
+                plan = plan_rank(lambda: make(["--device_parameters", device]),
                                  world_size, rank, min(8, world_size))
                 results[name][world_size][rank] = dataclasses.asdict(plan)
     args.out.write_text(json.dumps(results))

@@ -57,11 +57,16 @@ class PlannedGPT(nn.Module):
         self.norm = nn.RMSNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The pipeline convention: modules other stages hold are None, and skipped.
+        if self.embed is not None:
+            x = self.embed(x)
         for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
+            if layer is not None:
+                x = layer(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.head(x) if self.head is not None else x
 
 
 class PlanConfig(BaseTrainerConfig, SetupConfigMixin):
@@ -120,6 +125,22 @@ class PlanTrainer(LoaderPlanTrainer):
         return (torch.randint(0, VOCAB, (rows, SEQ + 1)),)
 
 
+class PipelinePlanTrainer(PlanTrainer):
+    """The same GPT through ``forward_backward``, so that it also runs as a pipeline."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        (tokens,) = batch
+        loss = self.forward_backward(self.model, tokens[:, :-1], target=tokens[:, 1:],
+                                     loss_fn=next_token_loss)
+        if not self.is_accumulating_gradients:
+            self.step(self.model, self.optimizer)
+        return {"loss": loss}
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
 def config(args: Sequence[str] | None) -> PlanConfig:
     return apply_cli_overrides(PlanConfig(
         project="plan", group="tests", experiment="gpt",
@@ -133,3 +154,7 @@ def make_trainer(args: Sequence[str] | None = None) -> PlanTrainer:
 
 def make_loader_trainer(args: Sequence[str] | None = None) -> LoaderPlanTrainer:
     return LoaderPlanTrainer(config(args))
+
+
+def make_pipeline_trainer(args: Sequence[str] | None = None) -> PipelinePlanTrainer:
+    return PipelinePlanTrainer(config(args))
