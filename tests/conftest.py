@@ -31,3 +31,17 @@ def _no_leaks() -> Iterator[None]:
             os.environ[name] = env_before[name]  # type: ignore[assignment]
     assert not leaked_group, "the test left a process group initialized"
     assert not changed, f"the test changed launcher variables: {sorted(changed)}"
+
+
+@pytest.fixture
+def restore_imports(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """For tests that load a trainer from a file (the CLI's SCRIPT:FACTORY): loading puts the
+    file's directory on sys.path and its module in sys.modules; both are undone."""
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.startswith("dream_trainer_target_"):
+            del sys.modules[name]

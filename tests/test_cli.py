@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,15 +26,7 @@ TARGET = f"{SCRIPT}:make_trainer"
 GRAPH_BREAKS = REPO / "tests" / "scripts" / "graph_break_trainer.py"
 
 
-@pytest.fixture(autouse=True)
-def _restore_imports(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Loading a TARGET puts its directory on sys.path and its module in sys.modules."""
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    before = set(sys.modules)
-    yield
-    for name in set(sys.modules) - before:
-        if name.startswith("dream_trainer_target_"):
-            del sys.modules[name]
+pytestmark = pytest.mark.usefixtures("restore_imports")
 
 
 def sandboxes() -> set[Path]:

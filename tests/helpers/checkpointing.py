@@ -60,13 +60,7 @@ class CheckpointedTrainer(ToyTrainer, CheckpointMixin):
 
     def post_fit(self) -> None:
         super().post_fit()
-        import torch.distributed as dist
-
-        gathered: list[Any] = [self.ids_seen]
-        if self.world.world_size > 1:
-            gathered = [None] * self.world.world_size
-            dist.all_gather_object(gathered, self.ids_seen)
-        self.all_ids_seen = gathered
+        self.all_ids_seen = from_every_rank(self.world.world_size, self.ids_seen)
 
     def configure_schedulers(self) -> None:
         self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=40)
@@ -175,3 +169,14 @@ def assert_same_state(actual: dict[str, Any], expected: dict[str, Any]) -> None:
     for index, state in expected["optimizer"].items():
         for key, tensor in state.items():
             assert torch.equal(actual["optimizer"][index][key], tensor), (index, key)
+
+
+def from_every_rank(world_size: int, value: Any) -> list[Any]:
+    """``value`` as each rank has it, in rank order, on every rank (a collective)."""
+    if world_size == 1:
+        return [value]
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, value)
+    return gathered

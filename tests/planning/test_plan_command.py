@@ -7,8 +7,6 @@ process group and destroys it before the next, so the suite's leak guard sees no
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,15 +22,7 @@ FSDP_TP = ["--", "--device_parameters",
            '{"dp_replicate": 1, "dp_shard": "auto", "tensor_parallel": 4}']
 
 
-@pytest.fixture(autouse=True)
-def _restore_imports(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Loading a TARGET puts its directory on sys.path and its module in sys.modules."""
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    before = set(sys.modules)
-    yield
-    for name in set(sys.modules) - before:
-        if name.startswith("dream_trainer_target_"):
-            del sys.modules[name]
+pytestmark = pytest.mark.usefixtures("restore_imports")
 
 
 def test_json_has_the_contracts_keys_per_world_size_and_says_whether_it_fits(

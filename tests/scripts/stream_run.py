@@ -9,23 +9,17 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from tests.helpers.checkpointing import Killer
+from tests.helpers.checkpointing import Killer, from_every_rank
 from tests.helpers.streaming import StreamTrainer, stream_config
 
 
 class Recording(StreamTrainer):
     def post_fit(self) -> None:
         super().post_fit()
-        mine: list[Any] = [self.trained_on]
-        if self.world.world_size > 1:
-            mine = [None] * self.world.world_size
-            dist.all_gather_object(mine, self.trained_on)
-        self.all_trained_on = mine
+        self.all_trained_on = from_every_rank(self.world.world_size, self.trained_on)
 
 
 def main() -> None:

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from tests.helpers.checkpointing import Killer
+from tests.helpers.checkpointing import Killer, from_every_rank
 from tests.helpers.launch import REPO
 
 SHORT = ["--files", "[a-b]*.py", "--vocab_size", "500", "--bptt", "10", "--dim", "32",
@@ -49,11 +48,7 @@ def main() -> None:
     class Recording(example.WordLMTrainer):  # type: ignore[misc,name-defined]
         def post_fit(self) -> None:
             super().post_fit()
-            hidden: list[Any] = [self.hidden]
-            if self.world.world_size > 1:
-                hidden = [None] * self.world.world_size
-                dist.all_gather_object(hidden, self.hidden)
-            self.all_hidden = hidden
+            self.all_hidden = from_every_rank(self.world.world_size, self.hidden)
 
     config = example.apply_cli_overrides(
         example.default_config(),
