@@ -85,8 +85,8 @@ def split_model(model: nn.Module, stage_ids: Sequence[int], num_stages: int) -> 
         One module per entry of ``stage_ids``, in that order.
 
     Raises:
-        ValueError: if the model has no blocks, blocks in more than one container, or
-            fewer blocks than stages.
+        ValueError: if the model has no blocks, blocks in more than one container, fewer
+            blocks than stages, or a parameter shared by modules of different stages.
     """
     blocks = find_blocks(model)
     if not blocks:
@@ -109,12 +109,39 @@ def split_model(model: nn.Module, stage_ids: Sequence[int], num_stages: int) -> 
         )
     path = _path_to(model, container)
     owners = _entry_owners(container, [name for _, name, _ in blocks], num_stages)
+    _check_ties(model, path, owners, num_stages)
     stages = []
     for position, stage in enumerate(stage_ids):
         part = model if position == len(stage_ids) - 1 else copy.deepcopy(model)
         _prune(part, path, owners, stage, num_stages)
         stages.append(part)
     return stages
+
+
+def _check_ties(model: nn.Module, path: list[str], owners: dict[str, int],
+                num_stages: int) -> None:
+    """Refuse a parameter shared by modules that different stages run (an output layer tied
+    to the embedding): each stage would train a copy of its own, and they would drift apart."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    tied = [group for group in names.values() if len(group) > 1]
+    if not tied:
+        return
+    held = []
+    for stage in range(num_stages):
+        part = copy.deepcopy(model)  # on the meta device, as split_model's own copies
+        _prune(part, path, owners, stage, num_stages)
+        held.append({name for name, _ in part.named_parameters(remove_duplicate=False)})
+    for group in tied:
+        stages = [stage for stage in range(num_stages) if held[stage] & set(group)]
+        if len(stages) > 1:
+            raise ValueError(
+                f"{' and '.join(group)} are one tied parameter, but pipeline stages "
+                f"{', '.join(map(str, stages))} run them: each stage would train its own copy. "
+                "Untie them (give each module its own weight) or override "
+                "apply_pipeline_parallel(pp_mesh)"
+            )
 
 
 def _path_to(root: nn.Module, target: nn.Module) -> list[str]:

@@ -93,6 +93,18 @@ def test_models_the_default_split_cannot_handle_say_to_override(
     assert "apply_pipeline_parallel" in str(info.value) or "fewer stages" in str(info.value)
 
 
+def test_a_weight_tied_across_stages_is_refused_and_one_within_a_stage_is_not() -> None:
+    tied = meta_transformer(4)
+    tied.head.weight = tied.embed.weight  # (32, 16) both: the output layer tied to the input
+    with pytest.raises(ValueError, match=r"embed.weight and head.weight are one tied parameter, "
+                                         r"but pipeline stages 0, 1 run them"):
+        split_model(tied, [0], 2)
+    within = meta_transformer(4)
+    within.layers[1].q.weight = within.layers[0].q.weight  # both blocks on stage 0 of 2
+    first, _ = split_model(within, [0, 1], 2)
+    assert first.layers[0].q.weight is first.layers[1].q.weight
+
+
 def test_materialized_stages_hold_the_one_process_weights() -> None:
     torch.manual_seed(7)
     whole = meta_transformer(4)
