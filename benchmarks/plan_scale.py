@@ -106,11 +106,16 @@ class GPT(nn.Module):
         if shape.tied:
             self.head.weight = self.embed.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Under a pipeline the modules other stages run are None.
+        if self.embed is not None:
+            x = self.embed(x)
         for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+            if block is not None:
+                x = block(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.head(x) if self.head is not None else x
 
 
 class ScaleConfig(BaseTrainerConfig, SetupConfigMixin):
@@ -136,7 +141,8 @@ class ScaleTrainer(BaseTrainer, SetupMixin):
                 "o": RowwiseParallel(), "gate": ColwiseParallel(), "up": ColwiseParallel(),
                 "down": RowwiseParallel()}
         for block in self.model.blocks:
-            parallelize_module(block, tp_mesh, plan)
+            if block is not None:
+                parallelize_module(block, tp_mesh, plan)
 
     def configure_optimizers(self) -> None:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4)
@@ -150,15 +156,18 @@ class ScaleTrainer(BaseTrainer, SetupMixin):
         return torch.randint(0, self.shape.vocab, (batch, self.shape.seq_len + 1))
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> dict[str, Any]:
-        logits = self.model(batch[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-        self.backward(loss)
+        loss = self.forward_backward(self.model, batch[:, :-1], target=batch[:, 1:],
+                                     loss_fn=next_token_loss)
         if not self.is_accumulating_gradients:
             self.step(self.model, self.optimizer)
         return {"loss": loss}
 
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         return {}
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def make_trainer(args: Sequence[str] | None = None) -> ScaleTrainer:
@@ -220,12 +229,21 @@ def markdown(result: dict[str, Any]) -> list[str]:
             f"| {where}: peak RSS | {result['peak_rss_bytes'] / 2**30:.2f} GiB |"]
 
 
-LAYOUTS = {"FSDP": [], "FSDP x TP 8": ["--device_parameters.tensor_parallel", "8"]}
+LAYOUTS = {"FSDP": [], "FSDP x TP 8": ["--device_parameters.tensor_parallel", "8"],
+           # Four sequences per data-parallel rank in four microbatches: the same global batch
+           # (one sequence per GPU) as the other layouts.
+           "PP 4 x FSDP": ["--device_parameters.pipeline_parallel", "4",
+                           "--device_parameters.pipeline_schedule", "1F1B",
+                           "--device_parameters.pipeline_microbatches", "4",
+                           "--training_parameters.train_batch_size", "4",
+                           "--training_parameters.val_batch_size", "4"]}
+PIPELINED = {"PP 4 x FSDP"}
 
 
 def tables(models: Sequence[str] = ("1b", "8b", "70b"), sizes: Sequence[int] = (8, 64, 1024),
            device_memory: str = "80GiB") -> str:
-    """docs/performance.md's planning tables: rank 0 of each model, layout and world size."""
+    """docs/performance.md's planning tables: rank 0 of each model, layout and world size
+    (and the last rank, for a pipeline)."""
     from dream_trainer.planning.report import format_bytes, parse_size
 
     limit = parse_size(device_memory)
@@ -236,9 +254,15 @@ def tables(models: Sequence[str] = ("1b", "8b", "70b"), sizes: Sequence[int] = (
                   "| fits | collectives per step (count, bytes) |",
                   "|---:|---|---|---:|---:|---:|---:|---:|---|---|"]
         for layout, overrides in LAYOUTS.items():
-            run = plan(sizes, ["--model", model, *overrides], ranks=[0])
-            for result in run["objects"]:
-                rank = result["ranks"]["0"]
+            if layout in PIPELINED and SHAPES[model].tied:
+                continue  # a split refuses an output layer tied to the embedding
+            # A pipeline's first and last stages differ: both are shown (plan's default).
+            run = plan(sizes, ["--model", model, *overrides],
+                       ranks=() if layout in PIPELINED else [0])
+            rows = [(result, rank_id, rank) for result in run["objects"]
+                    for rank_id, rank in result["ranks"].items()]
+            for result, rank_id, rank in rows:
+                where = f"{layout}, rank {rank_id}" if layout in PIPELINED else layout
                 total = sum(rank[key] for key in ("param_bytes", "grad_bytes",
                                                   "optimizer_bytes", "activation_bytes"))
                 fits = (f"yes ({format_bytes(limit - total)} spare)" if total <= limit
@@ -247,7 +271,7 @@ def tables(models: Sequence[str] = ("1b", "8b", "70b"), sizes: Sequence[int] = (
                                   for axis, t in rank["collectives"].items())
                 mesh = " x ".join(f"{a}={d}" for a, d in result["mesh"].items())
                 lines.append(
-                    f"| {result['world_size']} | {layout} | {mesh} | "
+                    f"| {result['world_size']} | {where} | {mesh} | "
                     + " | ".join(format_bytes(rank[key]) for key in (
                         "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"))
                     + f" | {format_bytes(total)} | {fits} | {comms} |")
