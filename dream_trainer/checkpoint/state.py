@@ -26,6 +26,7 @@ from torch import nn
 
 from dream_trainer.checkpoint.layout import CheckpointError
 from dream_trainer.checkpoint.rng import rng_state
+from dream_trainer.trainer.phases import call_through
 
 if TYPE_CHECKING:
     from dream_trainer.trainer.abstract import AbstractTrainer
@@ -205,7 +206,7 @@ class TrainingState:
         state[SHARED] = pack(split_tensors({
             "schedulers": {name: scheduler.state_dict()
                            for name, scheduler in trainer.named_schedulers().items()},
-            "extra": trainer.extra_state_dict(),
+            "extra": call_through(trainer, "extra_state_dict"),
             "world_size": trainer.world.world_size,
         }, "", tensors))
         # The loop's counters and the callbacks' states stay in DCP's own structure: a
@@ -223,7 +224,8 @@ class TrainingState:
                     state[key.removeprefix("state.")] = b""
         key = rank_key(trainer.world.rank)
         if self.saved is None or f"state.{key}" in self.saved:
-            state[key] = pack({"rng": rng_state(), "user": trainer.rank_state_dict()})
+            state[key] = pack({"rng": rng_state(),
+                               "user": call_through(trainer, "rank_state_dict")})
         return state
 
     def _load_targets(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -269,15 +271,15 @@ class TrainingState:
             trainer.load_data_state_dict(positions, int(state_dict["trainer"]["dp_size"]))
         except ValueError as exc:
             raise CheckpointError(str(exc)) from exc
-        trainer.load_extra_state_dict(shared["extra"])
+        call_through(trainer, "load_extra_state_dict", shared["extra"])
         self.resumed_mid_epoch = int(state_dict["trainer"].get("batch_in_epoch", 0)) > 0
         own = state_dict.get(rank_key(trainer.world.rank))
         mine = unpack(own, device) if own is not None else None
         self.loaded_rng = None if mine is None else mine["rng"]
         saved_world = int(shared["world_size"])
         if saved_world == trainer.world.world_size and mine is not None:
-            trainer.load_rank_state_dict(mine["user"])
-        elif trainer.rank_state_dict():
+            call_through(trainer, "load_rank_state_dict", mine["user"])
+        elif call_through(trainer, "rank_state_dict"):
             raise CheckpointError(
                 f"the checkpoint keeps per-rank state (rank_state_dict) for {saved_world} "
                 f"processes, and this run has {trainer.world.world_size}: each process's "

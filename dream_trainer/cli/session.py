@@ -18,6 +18,7 @@ from dream_trainer.configs.checkpoint import CheckpointParameters
 from dream_trainer.configs.logging import LoggingParameters
 from dream_trainer.configs.training import TrainingParameters
 from dream_trainer.trainer.base import BaseTrainer
+from dream_trainer.trainer.phases import call_through
 
 
 class Sandbox(Callback[BaseTrainer]):
@@ -107,6 +108,6 @@ def set_up(trainer: BaseTrainer) -> Iterator[None]:
         completed = True
     finally:
         try:
-            trainer.teardown()
+            call_through(trainer, "teardown")
         finally:
             trainer.world.shutdown(graceful=completed)

@@ -30,6 +30,7 @@ from dream_trainer.configs.checkpoint import CheckpointParameters
 from dream_trainer.parallel.dtensor import local_tensor
 from dream_trainer.parallel.materialize import any_rank_failed
 from dream_trainer.trainer.abstract import AbstractTrainer, StopTraining
+from dream_trainer.trainer.phases import call_through, runs_on
 from dream_trainer.utils.preemption import PreemptionAgreement, PreemptionFlag
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,11 @@ class CheckpointMixin(AbstractTrainer):
 
     SIGTERM or SIGUSR1 make every rank save at the next optimizer step and leave ``fit()``
     normally (``preempted`` is then True), so a scheduler's preemption costs no work.
+
+    Its work runs in ``@runs_on`` phases: user hooks that skip ``super()`` do not disable it.
     """
+
+    config_mixin = CheckpointConfigMixin
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -79,8 +84,9 @@ class CheckpointMixin(AbstractTrainer):
         return (Path(self.checkpoint_parameters.root_dir) / config.project / config.group
                 / config.experiment / "checkpoints")
 
-    # -- hooks -----------------------------------------------------------------------------
-    def post_setup(self) -> None:
+    # -- phases ----------------------------------------------------------------------------
+    @runs_on("post_setup")
+    def _checkpoint_post_setup(self) -> None:
         # DCP's own collectives run on a separate gloo group: an async save in a background
         # thread on the training group would interleave with training collectives.
         self._checkpoint_group = self.world.new_group("gloo")
@@ -92,33 +98,32 @@ class CheckpointMixin(AbstractTrainer):
             self._lock = take_lock(self.checkpoint_dir, self.world.rank,
                                    self.world.world_size, self._checkpoint_group)
             self._resume()
-        super().post_setup()
 
-    def teardown(self) -> None:
+    @runs_on("teardown")
+    def _release_lock(self) -> None:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-        super().teardown()
 
-    def pre_fit(self) -> None:
+    @runs_on("pre_fit")
+    def _install_preemption(self) -> None:
         self._preemption.install()
-        super().pre_fit()
 
-    def pre_epoch(self) -> None:
+    @runs_on("pre_epoch")
+    def _restore_rng_at_epoch(self) -> None:
         if self._pending_rng is not None and not self._rng_mid_epoch:
             self._restore_rng()
-        super().pre_epoch()
 
-    def pre_train_epoch(self) -> None:
+    @runs_on("pre_train_epoch")
+    def _restore_rng_mid_epoch(self) -> None:
         # Mid-epoch checkpoints were taken after this epoch's loader iterator drew its seed;
         # the loop has just recreated the iterator, so the generators are restored now.
         if self._pending_rng is not None:
             self._restore_rng()
-        super().pre_train_epoch()
 
-    def end_of_step(self) -> None:
+    @runs_on("end_of_step")
+    def _checkpoint_end_of_step(self) -> None:
         # After every post_train_batch hook, callbacks' included: their state is current.
-        super().end_of_step()
         enabled = self.checkpoint_parameters.enabled
         if self._preemption_requested():
             saved = (f"checkpoint saved to {self.save_checkpoint(asynchronous=False)}"
@@ -131,35 +136,35 @@ class CheckpointMixin(AbstractTrainer):
         if enabled and every is not None and self.global_step % every == 0:
             self.save_checkpoint()
 
-    def post_train_epoch(self, result: dict[str, Any]) -> None:
+    @runs_on("post_train_epoch")
+    def _note_train_results(self, result: dict[str, Any]) -> None:
         self._latest_results.update(result)
-        super().post_train_epoch(result)
 
-    def post_val_epoch(self, result: dict[str, Any]) -> None:
+    @runs_on("post_val_epoch")
+    def _note_val_results(self, result: dict[str, Any]) -> None:
         if not (self.sanity_checking or self.evaluating):
             self._latest_results.update(result)
-        super().post_val_epoch(result)
 
-    def post_epoch(self) -> None:
-        super().post_epoch()
+    @runs_on("post_epoch", after_bases=True)
+    def _checkpoint_post_epoch(self) -> None:
         every = self.checkpoint_parameters.every_n_epochs
         if self.checkpoint_parameters.enabled and every is not None \
                 and (self.current_epoch + 1) % every == 0:
             self._require_monitor()
             self.save_checkpoint()
 
-    def post_fit(self) -> None:
-        super().post_fit()
+    @runs_on("post_fit", after_bases=True)
+    def _checkpoint_post_fit(self) -> None:
         self._preemption_agreement.finish()
         if self.checkpoint_parameters.enabled:
             self.save_checkpoint(asynchronous=False)
         self._preemption.uninstall()
 
-    def on_exception(self, exception: BaseException) -> None:
+    @runs_on("on_exception")
+    def _checkpoint_on_exception(self, exception: BaseException) -> None:
         # An in-flight async save is not awaited: its peers may be gone. It never wrote its
         # .metadata, so resume skips it.
         self._preemption.uninstall()
-        super().on_exception(exception)
 
     # -- saving ------------------------------------------------------------------------------
     def save_checkpoint(self, asynchronous: bool | None = None) -> Path:
@@ -212,7 +217,8 @@ class CheckpointMixin(AbstractTrainer):
         """``extra_state_dict()`` is saved once: it must be the same on every rank."""
         if self.world.world_size == 1:
             return
-        mine = {key: digest(value) for key, value in self.extra_state_dict().items()}
+        mine = {key: digest(value)
+                for key, value in call_through(self, "extra_state_dict").items()}
         check_shared(gather(mine, self.world.world_size, self._checkpoint_group))
 
     def _refuse_non_finite(self) -> None:

@@ -38,6 +38,8 @@ class CSVLoggerMixin(LoggerMixin):
     text goes in its cell.
     """
 
+    config_mixin = CSVLoggerConfigMixin
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._csv_file: IO[str] | None = None

@@ -12,6 +12,7 @@ from dream_trainer.configs.base import ConfigModel
 from dream_trainer.parallel.materialize import any_rank_failed
 from dream_trainer.parallel.pipeline import PipelineStages
 from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.trainer.phases import runs_on
 
 
 def _torchmetrics() -> Any:
@@ -40,6 +41,8 @@ class EvalMixin(AbstractTrainer):
     updated contributes nothing.
     """
 
+    config_mixin = EvalConfigMixin
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._metric_names: list[str] = []
@@ -51,8 +54,9 @@ class EvalMixin(AbstractTrainer):
         """The metrics, by attribute name."""
         return {name: getattr(self, name) for name in self._metric_names}
 
-    # -- hooks -----------------------------------------------------------------------------
-    def post_setup(self) -> None:
+    # -- phases (run whether or not user hooks call super()) ----------------------------------
+    @runs_on("post_setup")
+    def _set_up_metrics(self) -> None:
         before = dict(vars(self))
         self.configure_metrics()
         added = [name for name, value in vars(self).items() if before.get(name) is not value]
@@ -62,9 +66,9 @@ class EvalMixin(AbstractTrainer):
                                   if isinstance(getattr(self, name), metric_type)]
         for metric in self.named_metrics().values():
             metric.to(self.world.device)
-        super().post_setup()
 
-    def pre_val_epoch(self) -> None:
+    @runs_on("pre_val_epoch")
+    def _reset_metrics(self) -> None:
         # The group is looked up for every pass: an evaluation after fit() runs in a process
         # group started for it, and a metric holding fit()'s destroyed group could not sync.
         mesh = self.world.dp_mesh
@@ -81,13 +85,12 @@ class EvalMixin(AbstractTrainer):
                     # switched off where it is checked; otherwise compute() would gather over
                     # every rank, which under a pipeline only the last stage reaches.
                     leaf.distributed_available_fn = _never
-        super().pre_val_epoch()
 
-    def end_of_validation_set(self, result: dict[str, Any]) -> None:
+    @runs_on("end_of_validation_set")
+    def _add_metrics(self, result: dict[str, Any]) -> None:
         # Each validation set's metrics are computed over its own samples, then reset for
         # the next set; the loop prefixes them with the set's name.
         result.update(self.compute_metrics())
-        super().end_of_validation_set(result)
 
     # -- computing -------------------------------------------------------------------------
     def compute_metrics(self) -> dict[str, float]:

@@ -16,6 +16,7 @@ from dream_trainer.configs.fault_tolerance import FaultToleranceParameters
 from dream_trainer.mixins.checkpoint import CheckpointMixin
 from dream_trainer.mixins.logging import LoggerMixin
 from dream_trainer.trainer.base import BaseTrainer
+from dream_trainer.trainer.phases import runs_on
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -62,6 +63,8 @@ class FaultTolerantMixin(BaseTrainer):
     Raises:
         TypeError: if a checkpoint or logger mixin comes before this one in the bases.
     """
+
+    config_mixin = FaultTolerantConfigMixin
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._check_bases()
@@ -134,9 +137,10 @@ class FaultTolerantMixin(BaseTrainer):
         return super().log_dir / f"replica_{self.replica_id}"  # type: ignore[misc]
 
     # -- hooks -----------------------------------------------------------------------------
-    @override
-    def post_setup(self) -> None:
-        super().post_setup()  # a checkpoint is resumed first, its manager counters included
+    # -- phases (run whether or not user hooks call super()) ----------------------------------
+    @runs_on("post_setup", after_bases=True)
+    def _join_replica_groups(self) -> None:
+        # After the other mixins: a checkpoint is resumed first, its manager counters included.
         from dream_trainer.ft.replica_group import ReplicaGroup
 
         self._replica_group = ReplicaGroup(self.fault_tolerance_parameters, self.world,
@@ -145,32 +149,30 @@ class FaultTolerantMixin(BaseTrainer):
             self._replica_group.load_state_dict(self._pending_ft_state)
             self._pending_ft_state = None
 
-    @override
-    def pre_fit(self) -> None:
+    @runs_on("pre_fit")
+    def _first_quorum(self) -> None:
         # The first step's quorum, before the loop positions itself: a group that is behind
         # takes its peers' loop position here, and the loop starts from it.
         self._start_step()
         self._quorum_ready = True
         self._in_loop = True
-        super().pre_fit()
 
-    @override
-    def pre_train_batch(self, batch: Any, batch_idx: int) -> None:
+    @runs_on("pre_train_batch")
+    def _quorum_per_step(self, batch: Any, batch_idx: int) -> None:
         if batch_idx % self.training_parameters.gradient_accumulation_steps == 0:
             self._stepped_in_window = False
             if self._quorum_ready:
                 self._quorum_ready = False
             else:
                 self._start_step()
-        super().pre_train_batch(batch, batch_idx)
 
     def _start_step(self) -> None:
         group = self._group
         group.start_step()
         self._committed_steps, self._participants = group.committed_steps, group.participants
 
-    @override
-    def pre_optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    @runs_on("pre_optimizer_step")
+    def _reduce_across_groups(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if self._stepped_in_window:
             raise RuntimeError(
                 "step() was called twice in one optimizer step: under FaultTolerantMixin the "
@@ -189,7 +191,6 @@ class FaultTolerantMixin(BaseTrainer):
             dp_mesh = self.world.dp_mesh
             self.item_weighting.add_peer_counts(
                 None if dp_mesh is None else dp_mesh.get_group(), group.sum_across_groups)
-        super().pre_optimizer_step(model, optimizer)
 
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -204,14 +205,11 @@ class FaultTolerantMixin(BaseTrainer):
                        "during it, or too few groups were live): its update is dropped",
                        self.replica_id, self.global_step + 1)
 
-    @override
-    def teardown(self) -> None:
+    @runs_on("teardown")
+    def _leave_replica_groups(self) -> None:
         group, self._replica_group = self._replica_group, None
-        try:
-            if group is not None:
-                group.shutdown()
-        finally:
-            super().teardown()
+        if group is not None:
+            group.shutdown()
 
     # -- checkpoints -----------------------------------------------------------------------
     @override

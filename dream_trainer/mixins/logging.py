@@ -13,6 +13,7 @@ from pydantic import Field
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.logging import LoggingParameters
 from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.trainer.phases import runs_on
 from dream_trainer.utils.media import (Histogram, ImagesLike, MediaFiles, check_images,
                                        check_table, check_video, plain, to_uint8_images,
                                        to_uint8_video)
@@ -113,15 +114,15 @@ class LoggerMixin(AbstractTrainer):
         if not isinstance(text, str):
             raise TypeError(f"log_text({key!r}) takes a str, got {type(text).__name__}")
 
-    # -- cadence -------------------------------------------------------------------------------
-    def post_setup(self) -> None:
-        super().post_setup()
+    # -- cadence (phases: user hooks that skip super() do not disable logging) ------------------
+    @runs_on("post_setup", after_bases=True)
+    def _start_logging_run(self) -> None:
         if self._logging:
             self.start_logging()
             self.log_config(json.loads(self.config.model_dump_json()))
 
-    def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
-        super().post_train_batch(result, batch_idx)
+    @runs_on("post_train_batch", after_bases=True)
+    def _log_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
         if (not self._logging or self.is_accumulating_gradients
                 or self.global_step % self.logging_parameters.log_every_n_steps):
             return
@@ -130,24 +131,24 @@ class LoggerMixin(AbstractTrainer):
         values["trainer/epoch"] = float(self.current_epoch)
         self.log_dict(values, self.global_step)
 
-    def post_train_epoch(self, result: dict[str, Any]) -> None:
-        super().post_train_epoch(result)
+    @runs_on("post_train_epoch", after_bases=True)
+    def _log_train_epoch(self, result: dict[str, Any]) -> None:
         if self._logging:
             self.log_dict({f"train_epoch/{k}": v for k, v in _scalars(result).items()},
                           self.global_step)
 
-    def post_val_epoch(self, result: dict[str, Any]) -> None:
-        super().post_val_epoch(result)
+    @runs_on("post_val_epoch", after_bases=True)
+    def _log_val_epoch(self, result: dict[str, Any]) -> None:
         if self._logging and not self.sanity_checking:
             self.log_dict(_scalars(result), self.global_step)
 
-    def post_fit(self) -> None:
-        super().post_fit()
+    @runs_on("post_fit", after_bases=True)
+    def _finish_after_fit(self) -> None:
         if self._logging:
             self.finish()
 
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
+    @runs_on("on_exception", after_bases=True)
+    def _finish_after_exception(self, exception: BaseException) -> None:
         if self._logging:
             self.finish()
 
@@ -181,6 +182,8 @@ class JSONLoggerMixin(LoggerMixin):
     ``counts``, ``edges``, ...), tables (``"table"``: ``columns``, ``rows``) and text
     (``"text"``: ``text``) are written in the record itself.
     """
+
+    config_mixin = JSONLoggerConfigMixin
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

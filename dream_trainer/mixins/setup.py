@@ -24,6 +24,7 @@ from dream_trainer.parallel.materialize import (FullTensorInit, any_rank_failed,
 from dream_trainer.parallel.pipeline import PipelineStages
 from dream_trainer.data.loaders import prepare_loader
 from dream_trainer.mixins.parallelize import ParallelizeModels
+from dream_trainer.trainer.phases import runs_on
 from dream_trainer.trainer.schedulers import step_with_metric, takes_metric
 from dream_trainer.trainer.validation import map_loaders, named_sets
 from dream_trainer.world.dims import MeshAxis
@@ -87,6 +88,9 @@ class SetupMixin(ParallelizeModels):
        (map-style loaders with a plain sampler get a ``ResumableSampler``, on one rank too:
        it splits the data across data-parallel ranks and can resume mid-epoch).
     """
+
+    config_mixin = SetupConfigMixin
+
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -179,8 +183,9 @@ class SetupMixin(ParallelizeModels):
         return export_live(self.named_models(), Path(path), format, self.map_exported_key,
                            dtype, max_shard_bytes)
 
-    # -- AbstractTrainer ---------------------------------------------------------------------
-    def teardown(self) -> None:
+    # -- phases (run whether or not user hooks call super()) ----------------------------------
+    @runs_on("teardown")
+    def _unwrap_models(self) -> None:
         """Unwrap DDP models, so that ``self.model`` is the plain module after ``fit()``.
 
         A DDP wrapper keeps the gloo process group alive past ``destroy_process_group()``;
@@ -193,7 +198,6 @@ class SetupMixin(ParallelizeModels):
             elif isinstance(model, PipelineStages):
                 model.release()
         gc.collect()
-        super().teardown()
 
     def configure(self) -> None:
         """Run ``configure_models()`` on the meta device and record the models it assigned.
@@ -335,13 +339,13 @@ class SetupMixin(ParallelizeModels):
             )
 
     # -- metric-driven schedulers ------------------------------------------------------------
-    def post_train_epoch(self, result: dict[str, Any]) -> None:
-        super().post_train_epoch(result)
+    @runs_on("post_train_epoch", after_bases=True)
+    def _step_schedulers_after_training(self, result: dict[str, Any]) -> None:
         if self.val_dataloader is None:
             self._step_metric_schedulers(result, "training epoch")
 
-    def post_val_epoch(self, result: dict[str, Any]) -> None:
-        super().post_val_epoch(result)
+    @runs_on("post_val_epoch", after_bases=True)
+    def _step_schedulers_after_validation(self, result: dict[str, Any]) -> None:
         if not (self.sanity_checking or self.evaluating):
             self._step_metric_schedulers(result, "validation")
 

@@ -45,6 +45,8 @@ class TensorBoardLoggerMixin(LoggerMixin):
     (``purge_step``), so the curves do not fold back. Needs ``dream-trainer[tensorboard]``.
     """
 
+    config_mixin = TensorBoardLoggerConfigMixin
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tensorboard_writer: Any = None

@@ -14,6 +14,7 @@ from pydantic import Field
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.logging import LoggingParameters
 from dream_trainer.mixins.logging import LoggerMixin
+from dream_trainer.trainer.phases import runs_on
 from dream_trainer.utils.media import (Histogram, ImagesLike, plain, to_uint8_images,
                                        to_uint8_video)
 
@@ -69,19 +70,21 @@ class WandBLoggerMixin(LoggerMixin):
     Images and videos need pillow, which the ``wandb`` extra installs.
     """
 
+    config_mixin = WandBLoggerConfigMixin
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.wandb_run: Any = None
         self._wandb_run_id: str | None = None
 
-    def post_setup(self) -> None:
+    @runs_on("post_setup")
+    def _agree_on_run_id(self) -> None:
         # Every rank holds the id, since any rank's copy may be the one a checkpoint keeps. A
         # resume (CheckpointMixin, listed before this mixin) has already restored it.
         holder = [self._wandb_run_id or uuid.uuid4().hex[:8]]
         if self.world.world_size > 1:
             dist.broadcast_object_list(holder, src=0)
         self._wandb_run_id = holder[0]
-        super().post_setup()
 
     def start_logging(self) -> None:
         super().start_logging()

@@ -16,6 +16,7 @@ from dream_trainer.callbacks.hooks import TrainerHooks
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.device import DeviceParameters
 from dream_trainer.errors import StopTraining
+from dream_trainer.trainer.phases import chain_base, run_phase_to_the_end
 from dream_trainer.world.world import DistributedWorld
 
 __all__ = ["AbstractTrainer", "AbstractTrainerConfig", "StopTraining"]
@@ -42,9 +43,10 @@ class AbstractTrainerConfig(ConfigModel):
 class AbstractTrainer(TrainerHooks, ABC):
     """The contract between the loop, the mixins and user code.
 
-    The hook methods inherited from ``TrainerHooks`` are no-ops here; a subclass or mixin that
-    overrides one must call ``super()``. They live on this class, last in any trainer's MRO,
-    so that a mixin listed after ``BaseTrainer`` can still override them.
+    The hook methods inherited from ``TrainerHooks`` are no-ops here, left to users: an
+    override need not call ``super()``. Mixins do their own work at those points in methods
+    marked ``@runs_on(hook)`` (``dream_trainer.trainer.phases``), which the trainer runs
+    before the public hook whatever an override does.
     """
 
     config: AbstractTrainerConfig
@@ -78,20 +80,26 @@ class AbstractTrainer(TrainerHooks, ABC):
     def end_of_step(self) -> None:
         """After every hook of an optimizer step's last micro-batch has run (callbacks'
         ``post_train_batch`` included): where state that must reflect the whole step, such as
-        a checkpoint, is taken. Overrides call ``super().end_of_step()``.
+        a checkpoint, is taken, after the mixins' ``@runs_on("end_of_step")`` work. A user
+        hook: overrides need not call ``super()``.
         """
 
     def end_of_validation_set(self, result: dict[str, Any]) -> None:
         """After the batches of each validation set (each set of a pass over several), with
         that set's averaged results: mixins add what they computed over the set (metrics) to
-        ``result``, which is then prefixed with the set's name. Overrides call ``super()``.
+        ``result``, which is then prefixed with the set's name. Mixins do so in
+        ``@runs_on("end_of_validation_set")`` methods; overrides need not call ``super()``.
         """
 
+    @chain_base
     def teardown(self) -> None:
         """Release what holds the process group, before ``fit()`` destroys it (always runs).
 
-        Overrides call ``super().teardown()``.
+        Runs every mixin's ``@runs_on("teardown")`` work (each even if another fails).
+        Overrides call ``super().teardown()``; one that does not is detected by ``fit()``,
+        which then runs this part after it (see ``call_through``).
         """
+        run_phase_to_the_end(self, "teardown")
 
     # -- what the trainer owns -------------------------------------------------------------
     @abstractmethod
@@ -139,6 +147,7 @@ class AbstractTrainer(TrainerHooks, ABC):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
 
+    @chain_base
     def extra_state_dict(self) -> dict[str, Any]:
         """State of the trainer or its mixins that checkpoints must keep (a logger's run id,
         a counter), the same on every rank: saved once, restored to every rank.
@@ -149,6 +158,7 @@ class AbstractTrainer(TrainerHooks, ABC):
         """
         return {}
 
+    @chain_base
     def load_extra_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``extra_state_dict`` returned; overrides call ``super()``.
 
@@ -163,6 +173,7 @@ class AbstractTrainer(TrainerHooks, ABC):
     def load_data_state_dict(self, states: Mapping[int, Any], saved_dp_size: int) -> None:
         """Restore the train loader's position from every saved data-parallel rank's."""
 
+    @chain_base
     def rank_state_dict(self) -> dict[str, Any]:
         """State that differs between processes (an RNN's hidden state, a per-rank buffer):
         saved for every process and restored to the same one.
@@ -174,6 +185,7 @@ class AbstractTrainer(TrainerHooks, ABC):
         """
         return {}
 
+    @chain_base
     def load_rank_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``rank_state_dict`` returned on this process; overrides call
         ``super()``."""

@@ -21,6 +21,8 @@ from dream_trainer.parallel.data_parallel import DataParallelBackend, backend_fo
 from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainerConfig, StopTraining
 from dream_trainer.trainer.item_weighting import ItemWeighting
+from dream_trainer.trainer.phases import (CLOSING_PHASES, call_through, check_config_mixins,
+                                          run_phase)
 from dream_trainer.trainer.step_api import StepAPI
 from dream_trainer.trainer.validation import ValidationLoop, check_result, stop_is_an_error
 from dream_trainer.utils.averaging import ResultAverager
@@ -69,12 +71,14 @@ class BaseTrainer(StepAPI, ValidationLoop):
 
     Raises:
         MeshMismatchError: if the mesh degrees do not fit the launched world size.
-        TypeError: if a callback requires a trainer capability this class lacks.
+        TypeError: if a callback requires a trainer capability this class lacks, or a mixin
+            needs a config mixin the config class lacks.
     """
 
     config: BaseTrainerConfig
 
     def __init__(self, config: BaseTrainerConfig, *args: Any, **kwargs: Any) -> None:
+        check_config_mixins(self, config)
         self.config = config
         self.world = DistributedWorld(config.device_parameters)
         self.data_parallel: DataParallelBackend = backend_for(self.world.dims)
@@ -117,7 +121,7 @@ class BaseTrainer(StepAPI, ValidationLoop):
             raise
         finally:
             try:
-                self.teardown()
+                call_through(self, "teardown")
             finally:
                 self.world.shutdown(graceful=completed)
 
@@ -313,7 +317,7 @@ class BaseTrainer(StepAPI, ValidationLoop):
 
     def _after_optimizer_step(self) -> bool:
         """Run what follows an optimizer step; return True to end the epoch early."""
-        self.end_of_step()
+        self._fire_phase("end_of_step")
         if self.global_step == 1:
             self.world.set_timeout(self.config.device_parameters.train_timeout)
         every = self.training_parameters.val_every_n_steps
@@ -338,10 +342,21 @@ class BaseTrainer(StepAPI, ValidationLoop):
 
     # -- helpers ----------------------------------------------------------------------------------
     def _fire(self, hook: str, *args: Any) -> None:
-        """Run the trainer's own hook, then every callback's, in insertion order."""
-        getattr(self, hook)(*args)
+        """Run the mixins' work at ``hook``, the trainer's own hook, then every callback's, in
+        insertion order."""
+        self._fire_phase(hook, *args)
         for listener in self.callbacks.listeners(hook):
             listener(*args)
+
+    def _fire_phase(self, phase: str, *args: Any) -> None:
+        """Run the mixins' ``@runs_on(phase)`` work, then the trainer's public method (the
+        other way round for a closing phase such as ``post_fit``)."""
+        closing = phase in CLOSING_PHASES
+        if not closing:
+            run_phase(self, phase, *args)
+        getattr(self, phase)(*args)
+        if closing:
+            run_phase(self, phase, *args)
 
     def _set_train_mode(self, training: bool) -> None:
         """Switch the models to train or eval mode; a model without trainable parameters (a

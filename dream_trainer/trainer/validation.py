@@ -95,7 +95,7 @@ class ValidationLoop(AbstractTrainer):
             for name, loader in sets.items():
                 self.validation_set = name
                 part = self._validation_set(loader, max_batches)
-                self.end_of_validation_set(part)
+                self._fire_phase("end_of_validation_set", part)
                 result.update(part if name is None else
                               {f"{name}/{key}": value for key, value in part.items()})
         self.validation_set = None
@@ -131,6 +131,10 @@ class ValidationLoop(AbstractTrainer):
     @abstractmethod
     def _fire(self, hook: str, *args: Any) -> None:
         """Run a hook on the trainer and every callback."""
+
+    @abstractmethod
+    def _fire_phase(self, phase: str, *args: Any) -> None:
+        """Run the mixins' work at ``phase``, then the trainer's method of that name."""
 
     @abstractmethod
     def _set_train_mode(self, training: bool) -> None:
