@@ -1,8 +1,8 @@
 """dream_trainer: a mixin-composed distributed training framework for PyTorch."""
 
+from dream_trainer.dream import DreamTrainer, DreamTrainerConfig
 from dream_trainer.trainer import (AbstractTrainer, AbstractTrainerConfig, BaseTrainer,
-                                   BaseTrainerConfig, DreamTrainer, DreamTrainerConfig,
-                                   StopTraining)
+                                   BaseTrainerConfig, StopTraining)
 
 __all__ = ["AbstractTrainer", "AbstractTrainerConfig", "BaseTrainer", "BaseTrainerConfig",
            "DreamTrainer", "DreamTrainerConfig", "StopTraining"]

@@ -1,13 +1,13 @@
 """Callbacks: user code attached to the trainer's lifecycle hooks, and the standard set."""
 
-from dream_trainer.callbacks.callback import Callback, RankZeroCallback
-from dream_trainer.callbacks.collection import CallbackCollection
+from dream_trainer.trainer.callback import Callback, RankZeroCallback
+from dream_trainer.trainer.callback_collection import CallbackCollection
 from dream_trainer.callbacks.early_stopping import EarlyStopping
 from dream_trainer.callbacks.ema import EMA
 from dream_trainer.callbacks.garbage_collection import GarbageCollection
 from dream_trainer.callbacks.hang_watchdog import HangWatchdog
 from dream_trainer.callbacks.histograms import Histograms
-from dream_trainer.callbacks.hooks import HOOK_NAMES, TrainerHooks
+from dream_trainer.trainer.hooks import HOOK_NAMES, TrainerHooks
 from dream_trainer.callbacks.lr_monitor import LRMonitor
 from dream_trainer.callbacks.media_logger import MediaLogger
 from dream_trainer.callbacks.nan_guard import NanGuard

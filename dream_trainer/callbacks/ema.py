@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from dream_trainer.callbacks.callback import Callback
+from dream_trainer.trainer.callback import Callback
 from dream_trainer.parallel.dtensor import local_tensor
 
 NUM_UPDATES = "num_updates"

@@ -7,7 +7,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from dream_trainer.callbacks.callback import Callback
+from dream_trainer.trainer.callback import Callback
 
 
 class GarbageCollection(Callback):

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 from typing_extensions import override
 
-from dream_trainer.callbacks.callback import Callback
+from dream_trainer.trainer.callback import Callback
 
 
 class HangWatchdog(Callback):

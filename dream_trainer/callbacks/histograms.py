@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from dream_trainer.callbacks.callback import Callback
+from dream_trainer.mixins.logging import LoggerMixin
 from dream_trainer.parallel.dtensor import is_dtensor
-
-if TYPE_CHECKING:
-    from dream_trainer.mixins.logging import LoggerMixin
+from dream_trainer.trainer.callback import Callback
 
 # Attributes under which torch.compile and activation checkpointing nest the module they
 # wrap: left out of the logged names, which are then those of the model as written.
 _WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
 
 
-class Histograms(Callback):
+class Histograms(Callback[LoggerMixin]):
     """Log the distribution of every trainable parameter and its gradient every
     ``every_n_steps`` optimizer steps, as ``weights/<model>/<parameter>`` and
     ``gradients/<model>/<parameter>`` (``trainer.log_histogram``).
@@ -44,14 +40,6 @@ class Histograms(Callback):
     """
 
     trainer: LoggerMixin
-
-    @classmethod
-    def trainer_requirements(cls) -> tuple[type, ...]:
-        """A logger mixin, imported here: ``dream_trainer.mixins`` imports the trainer package,
-        which imports the callbacks, so it cannot be named in the class's bases."""
-        from dream_trainer.mixins.logging import LoggerMixin
-
-        return (*super().trainer_requirements(), LoggerMixin)
 
     def __init__(self, every_n_steps: int = 100, weights: bool = True,
                  gradients: bool = True) -> None:

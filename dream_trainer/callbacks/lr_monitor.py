@@ -6,7 +6,8 @@ from typing import Any
 
 from typing_extensions import override
 
-from dream_trainer.callbacks.callback import RankZeroCallback
+from dream_trainer.mixins.logging import LoggerMixin
+from dream_trainer.trainer.callback import RankZeroCallback
 
 
 class LRMonitor(RankZeroCallback):
@@ -41,9 +42,8 @@ class LRMonitor(RankZeroCallback):
             return
         self.latest = self.learning_rates()
         self.history.append((trainer.global_step, self.latest))
-        log_dict = getattr(trainer, "log_dict", None)
-        if callable(log_dict):
-            log_dict(dict(self.latest), step=trainer.global_step)
+        if isinstance(trainer, LoggerMixin):
+            trainer.log_dict(dict(self.latest), step=trainer.global_step)
 
     def learning_rates(self) -> dict[str, float]:
         """The current learning rate of every parameter group of every optimizer.

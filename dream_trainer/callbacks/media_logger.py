@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from typing_extensions import override
 
-from dream_trainer.callbacks.callback import RankZeroCallback
+from dream_trainer.mixins.logging import LoggerMixin
+from dream_trainer.trainer.callback import RankZeroCallback
 from dream_trainer.utils.media import make_grid, to_uint8_images, to_uint8_video
 
-if TYPE_CHECKING:
-    from dream_trainer.mixins.logging import LoggerMixin
 
-
-class MediaLogger(RankZeroCallback):
+class MediaLogger(RankZeroCallback[LoggerMixin]):
     """Log the first ``max_samples`` images (or videos) that ``validation_step`` returns under
     ``key`` as one grid, once per validation pass, on global rank 0.
 
@@ -39,14 +37,6 @@ class MediaLogger(RankZeroCallback):
     """
 
     trainer: LoggerMixin
-
-    @classmethod
-    def trainer_requirements(cls) -> tuple[type, ...]:
-        """A logger mixin, imported here: ``dream_trainer.mixins`` imports the trainer package,
-        which imports the callbacks, so it cannot be named in the class's bases."""
-        from dream_trainer.mixins.logging import LoggerMixin
-
-        return (*super().trainer_requirements(), LoggerMixin)
 
     def __init__(self, key: str, max_samples: int = 16, nrow: int | None = None,
                  fps: float = 8.0, name: str | None = None) -> None:

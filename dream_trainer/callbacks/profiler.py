@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from torch.profiler import ProfilerActivity, profile, schedule
 from typing_extensions import override
 
-from dream_trainer.callbacks.callback import Callback
+from dream_trainer.trainer.callback import Callback
 
 if TYPE_CHECKING:
     from dream_trainer.trainer.abstract import AbstractTrainer

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import torch
 from typing_extensions import override
 
-from dream_trainer.callbacks.callback import RankZeroCallback
+from dream_trainer.trainer.callback import RankZeroCallback
 from dream_trainer.utils.memory import GIB, CudaPeakWindow, process_rss_bytes
 
 if TYPE_CHECKING:

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from typing_extensions import override
 
-from dream_trainer.callbacks.callback import RankZeroCallback
+from dream_trainer.mixins.logging import LoggerMixin
+from dream_trainer.trainer.callback import RankZeroCallback
 from dream_trainer.utils.memory import GIB, CudaPeakWindow, process_rss_bytes
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ class Throughput(RankZeroCallback):
         self.latest = self._measure()
         window_ends = self.trainer.global_step % self.window == 0
         self.memory = self._memory(window_ends)
-        if window_ends and hasattr(self.trainer, "log_dict"):
+        if window_ends and isinstance(self.trainer, LoggerMixin):
             self.trainer.log_dict({**self.latest, **self.memory}, self.trainer.global_step)
 
     @override

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dream_trainer.errors import CheckpointError
+
 logger = logging.getLogger(__name__)
 
 METADATA = ".metadata"
@@ -19,10 +21,6 @@ INFO = "dream_trainer.json"
 CONFIG = "config.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _CHUNK = 1 << 22
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used: missing, incomplete, damaged or incompatible."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from dream_trainer.cli import (benchmark, export, find_graph_breaks, lighthouse, plan, profile,
                                summarize)
-from dream_trainer.cli.target import TargetError
+from dream_trainer.errors import TargetError
 
 __all__ = ["build_parser", "main"]
 

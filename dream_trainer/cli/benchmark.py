@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from dream_trainer.callbacks.callback import RankZeroCallback
+from dream_trainer.trainer.callback import RankZeroCallback
 from dream_trainer.callbacks.throughput import Throughput
 from dream_trainer.cli.arguments import add_target, non_negative_int, positive_int
 from dream_trainer.cli.session import train_steps

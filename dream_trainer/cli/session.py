@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 from typing_extensions import override
 
-from dream_trainer.callbacks.callback import Callback
+from dream_trainer.trainer.callback import Callback
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.checkpoint import CheckpointParameters
 from dream_trainer.configs.logging import LoggingParameters

@@ -16,8 +16,8 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 from typing_extensions import override
 
-from dream_trainer.callbacks.callback import Callback
-from dream_trainer.callbacks.collection import CallbackCollection
+from dream_trainer.trainer.callback import Callback
+from dream_trainer.trainer.callback_collection import CallbackCollection
 from dream_trainer.cli.session import attach, sandboxed, set_up
 from dream_trainer.planning.comms import AxisCommMode, group_axes
 from dream_trainer.parallel.pipeline import PipelineStages

@@ -12,14 +12,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from dream_trainer.errors import TargetError
 from dream_trainer.trainer.base import BaseTrainer
 
 FORM = ("expected path/to/script.py:NAME or package.module:NAME, where NAME() returns an "
         "unfitted trainer")
-
-
-class TargetError(Exception):
-    """The TARGET names no usable trainer factory; the message says what is wrong."""
 
 
 def load_trainer(target: str, overrides: Sequence[str]) -> BaseTrainer:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dream_trainer.configs.fault_tolerance import FaultToleranceParameters
+from dream_trainer.errors import RecoveryError
 from dream_trainer.ft.gradients import reduce_gradients
 
 if TYPE_CHECKING:
@@ -35,10 +36,6 @@ def import_torchft() -> ModuleType:
             f"'dream-trainer[{EXTRA}]' (torchft==0.2.0)"
         ) from exc
     return torchft
-
-
-class RecoveryError(RuntimeError):
-    """Applying the state copied from a live peer failed."""
 
 
 class ReplicaGroup:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from pydantic import Field, model_validator
 
-from dream_trainer.callbacks.collection import CallbackCollection
+from dream_trainer.trainer.callback_collection import CallbackCollection
 from dream_trainer.configs.device import pipeline_layout
 from dream_trainer.configs.training import TrainingParameters
 from dream_trainer.data.batch import move_to_device

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from dream_trainer.callbacks.hooks import HOOK_NAMES
+from dream_trainer.trainer.hooks import HOOK_NAMES
 
 logger = logging.getLogger(__name__)
 

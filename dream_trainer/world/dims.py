@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from dream_trainer.configs.device import DeviceParameters
+from dream_trainer.errors import MeshMismatchError
 
 
 class MeshAxis(str, Enum):
@@ -25,10 +26,6 @@ class MeshAxis(str, Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-class MeshMismatchError(ValueError):
-    """The configured mesh degrees do not fit the number of launched processes."""
 
 
 # Config field for each physical axis, in mesh order (tensor parallel innermost, so that its

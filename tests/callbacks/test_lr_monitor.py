@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import pytest
 import torch
 from torch.optim.lr_scheduler import StepLR
 
 from dream_trainer.callbacks.lr_monitor import LRMonitor
-from tests.helpers.toy import ToyTrainer, toy_config
+from dream_trainer.mixins import LoggerMixin
+from tests.helpers.toy import RecordingLogger, ToyTrainer, logged_toy_config, toy_config
 
 
 class StepLRTrainer(ToyTrainer):
@@ -68,32 +68,25 @@ class TwoOptimizers(ToyTrainer):
         self.scheduler = StepLR(self.optimizer, step_size=1, gamma=0.5)
 
 
-class LoggingTrainer(TwoOptimizers):
-    """Stands in for a logger mixin."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.logged: list[tuple[int, dict[str, float]]] = []
-
-    def log_dict(self, values: dict[str, float], step: int) -> None:
-        self.logged.append((step, values))
+class LoggingTrainer(TwoOptimizers, RecordingLogger):
+    """With a logger mixin, whose log_dict records what the monitor logs."""
 
 
 def test_every_group_of_every_optimizer_is_named_and_logged() -> None:
     monitor = LRMonitor(every_n_steps=2)
-    trainer = LoggingTrainer(toy_config(callbacks=[monitor], n_samples=32))
+    trainer = LoggingTrainer(logged_toy_config(callbacks=[monitor], n_samples=32))
     trainer.fit()
     assert monitor.latest == pytest.approx(
         {"lr/optimizer/0": 0.1 / 16, "lr/optimizer/1": 0.01 / 16, "lr/probe": 0.5})
     assert [step for step, _ in monitor.history] == [2, 4]
-    assert trainer.logged == monitor.history
+    assert [(step, values) for values, step in trainer.logged] == monitor.history
 
 
 def test_without_log_dict_values_are_only_kept() -> None:
     monitor = LRMonitor()
     trainer = TwoOptimizers(toy_config(callbacks=[monitor], n_samples=16))
     trainer.fit()
-    assert not hasattr(trainer, "log_dict")
+    assert not isinstance(trainer, LoggerMixin)
     assert len(monitor.history) == 2
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -14,7 +13,8 @@ from torch.utils.data import DataLoader
 from dream_trainer.callbacks import Callback
 from dream_trainer.callbacks.throughput import Throughput
 from dream_trainer.utils.memory import process_rss_bytes
-from tests.helpers.toy import ToyTrainer, toy_config, toy_dataset
+from tests.helpers.toy import (RecordingLogger, ToyTrainer, logged_toy_config, toy_config,
+                               toy_dataset)
 
 
 class FakeClock(Callback):
@@ -36,21 +36,15 @@ class FakeClock(Callback):
         self.now += self.seconds_per_val_batch
 
 
-class Logging(ToyTrainer):
-    """A trainer with a logger's ``log_dict``."""
-
-    def post_setup(self) -> None:
-        super().post_setup()
-        self.logged: list[tuple[dict[str, float], int | None]] = []
-
-    def log_dict(self, values: Mapping[str, float], step: int | None = None) -> None:
-        self.logged.append((dict(values), step))
+class Logging(ToyTrainer, RecordingLogger):
+    """A trainer with a logger mixin, whose ``log_dict`` records what is logged."""
 
 
 def fit(monkeypatch: pytest.MonkeyPatch, throughput: Throughput, clock: FakeClock,
         trainer_class: type[ToyTrainer] = ToyTrainer, **config: Any) -> ToyTrainer:
     monkeypatch.setattr(time, "perf_counter", clock)
-    trainer = trainer_class(toy_config(callbacks=[clock, throughput], **config))
+    make_config = logged_toy_config if issubclass(trainer_class, RecordingLogger) else toy_config
+    trainer = trainer_class(make_config(callbacks=[clock, throughput], **config))
     trainer.fit()
     return trainer
 

@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dream_trainer import BaseTrainer, BaseTrainerConfig
-from dream_trainer.configs import TrainingParameters
-from dream_trainer.mixins import SetupConfigMixin, SetupMixin
+from dream_trainer.configs import LoggingParameters, TrainingParameters
+from dream_trainer.mixins import JSONLoggerConfigMixin, LoggerMixin, SetupConfigMixin, SetupMixin
 
 
 class ToyConfig(BaseTrainerConfig, SetupConfigMixin):
@@ -32,6 +32,29 @@ def toy_config(**training: Any) -> ToyConfig:
                      training_parameters=TrainingParameters(
                          **{"n_epochs": 1, "train_batch_size": 8, **training}),
                      **extra)
+
+
+class LoggedToyConfig(ToyConfig, JSONLoggerConfigMixin):
+    pass
+
+
+def logged_toy_config(**training: Any) -> LoggedToyConfig:
+    """``toy_config`` for a trainer with a logger mixin that writes no files: its own
+    ``log_dict`` records what callbacks log."""
+    return LoggedToyConfig(**dict(toy_config(**training)),
+                           logging_parameters=LoggingParameters(enabled=False))
+
+
+class RecordingLogger(LoggerMixin):
+    """A logger backend that keeps what ``log_dict`` receives in ``logged``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.logged: list[tuple[dict[str, float], int | None]] = []
+
+    def log_dict(self, values: Any, step: int | None = None) -> None:
+        super().log_dict(values, step)
+        self.logged.append((dict(values), step))
 
 
 def toy_dataset(n: int, config: ToyConfig, seed: int) -> TensorDataset:

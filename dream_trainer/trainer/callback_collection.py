@@ -10,8 +10,8 @@ from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
-from dream_trainer.callbacks.callback import Callback
-from dream_trainer.callbacks.hooks import HOOK_NAMES, TrainerHooks
+from dream_trainer.trainer.callback import Callback
+from dream_trainer.trainer.hooks import HOOK_NAMES, TrainerHooks
 
 if TYPE_CHECKING:
     from dream_trainer.trainer.abstract import AbstractTrainer

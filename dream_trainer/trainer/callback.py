@@ -6,7 +6,7 @@ import difflib
 import typing
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from dream_trainer.callbacks.hooks import HOOK_NAMES, HOOK_PREFIXES, TrainerHooks
+from dream_trainer.trainer.hooks import HOOK_NAMES, HOOK_PREFIXES, TrainerHooks
 
 if TYPE_CHECKING:
     from dream_trainer.trainer.abstract import AbstractTrainer

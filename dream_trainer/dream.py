@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from dream_trainer.callbacks.collection import CallbackCollection
 from dream_trainer.mixins.checkpoint import CheckpointConfigMixin, CheckpointMixin
 from dream_trainer.mixins.eval import EvalConfigMixin, EvalMixin
 from dream_trainer.mixins.logging import JSONLoggerConfigMixin, JSONLoggerMixin
 from dream_trainer.mixins.setup import SetupConfigMixin, SetupMixin
 from dream_trainer.trainer.base import BaseTrainer, BaseTrainerConfig
+from dream_trainer.trainer.callback_collection import CallbackCollection
 
 
 def default_callbacks() -> CallbackCollection:
