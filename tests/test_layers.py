@@ -3,6 +3,10 @@ every import statement, those inside functions included)."""
 
 from __future__ import annotations
 
+import ast
+import re
+from pathlib import Path
+
 import grimp
 import pytest
 
@@ -66,3 +70,53 @@ def test_every_folder_has_a_layer(graph: grimp.ImportGraph) -> None:
     folders = {layer_of(module) for module in graph.modules} - {None}
     assert folders <= set(LEVEL), f"place {sorted(folders - set(LEVEL))} in LAYERS"
     assert dream_trainer.__name__ == "dream_trainer"
+
+
+PACKAGE = Path(dream_trainer.__file__).parent
+
+
+def sources(*folders: str) -> dict[str, ast.Module]:
+    return {str(path.relative_to(PACKAGE.parent)): ast.parse(path.read_text())
+            for folder in folders for path in sorted((PACKAGE / folder).rglob("*.py"))}
+
+
+def test_only_planning_knows_about_fake_tensors() -> None:
+    # The fake *backend* is a world matter (it needs no store); fake tensors, which only a
+    # tool wants, reach setup through a Materialization that planning supplies.
+    outside = [path for path in sorted(PACKAGE.rglob("*.py"))
+               if "planning" not in path.relative_to(PACKAGE).parts]
+    found = [f"{path.relative_to(PACKAGE.parent)}:{number}"
+             for path in outside
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"fake_tensor|FakeTensor|fake_mode|is_fake", line)]
+    assert found == []
+
+
+def trainer_assignments(tree: ast.Module) -> list[int]:
+    """Lines assigning an attribute of ``trainer`` or ``self.trainer``, or setattr on it."""
+    def is_trainer(node: ast.expr) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "trainer") or (
+            isinstance(node, ast.Attribute) and node.attr == "trainer")
+
+    lines = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id == "setattr" and node.args and is_trainer(node.args[0]):
+            lines.append(node.lineno)
+        lines += [target.lineno for target in targets
+                  if isinstance(target, ast.Attribute) and is_trainer(target.value)]
+    return lines
+
+
+def test_tools_assign_no_trainer_attribute() -> None:
+    found = {path: lines for path, tree in sources("cli", "planning").items()
+             if (lines := trainer_assignments(tree))}
+    assert found == {}
+    injected = ast.parse("def run(trainer):\n    trainer.config = None\n"
+                         "    setattr(trainer, 'model', None)\n")
+    assert trainer_assignments(injected) == [2, 3]

@@ -8,9 +8,9 @@ from typing import Any, Literal
 
 from typing_extensions import override
 
-from dream_trainer.trainer.callback import Callback
-from dream_trainer.parallel.materialize import any_rank_failed
 from dream_trainer.errors import StopTraining
+from dream_trainer.parallel.materialize import any_rank_failed
+from dream_trainer.trainer.callback import Callback
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from dream_trainer.trainer.callback import Callback
 from dream_trainer.parallel.dtensor import local_tensor
+from dream_trainer.trainer.callback import Callback
 
 NUM_UPDATES = "num_updates"
 """The ``state_dict`` key of the update count; every other key names an averaged parameter."""

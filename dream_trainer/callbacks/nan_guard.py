@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from dream_trainer.trainer.callback import Callback
 from dream_trainer.parallel.dtensor import local_tensor
 from dream_trainer.parallel.materialize import any_rank_failed
+from dream_trainer.trainer.callback import Callback
 
 logger = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from dream_trainer.trainer.callback import RankZeroCallback
 from dream_trainer.callbacks.throughput import Throughput
 from dream_trainer.cli.arguments import add_target, non_negative_int, positive_int
-from dream_trainer.cli.session import train_steps
 from dream_trainer.cli.target import load_trainer
+from dream_trainer.planning.session import train_steps
 from dream_trainer.trainer.base import BaseTrainer
+from dream_trainer.trainer.callback import RankZeroCallback
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -11,11 +12,11 @@ import torch
 from torch import nn
 
 from dream_trainer.cli.arguments import add_target
-from dream_trainer.cli.session import sandboxed, set_up
 from dream_trainer.cli.target import load_trainer
 from dream_trainer.parallel.blocks import find_blocks
+from dream_trainer.planning.session import sandboxed, set_up
 from dream_trainer.trainer.base import BaseTrainer
-from dream_trainer.data.batch import move_to_device
+from dream_trainer.trainer.callback_collection import CallbackCollection
 
 # Lines of a dynamo graph-break reason after which it only addresses torch developers.
 _REASON_END = ("Developer debug context", "For more details")
@@ -35,8 +36,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     parser = commands.add_parser(
         "find-graph-breaks", allow_abbrev=False,
         help="report where torch.compile breaks each compiled block's graph, and why",
-        description="In one process, set the trainer up as fit() would, run one training step "
-                    "on the first train batch to record the inputs of every block that "
+        description="In one process, set the trainer up as fit() would (without compilation), run one optimizer step "
+                    "on the first train batches to record the inputs of every block that "
                     "apply_compile compiles by default (the blocks find_blocks returns, or each "
                     "whole model without blocks), then run torch._dynamo.explain on each block "
                     "with those inputs and print every graph break with its reason and the "
@@ -54,6 +55,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         print("dream-trainer find-graph-breaks: error: it runs in one process; run it with "
               "python, not torchrun", file=sys.stderr)
         return 2
+    # Eager blocks, so that explain sees the user's code; no callbacks, since one step runs
+    # outside of fit().
+    device = trainer.config.device_parameters
+    trainer.replace_config(trainer.config.model_copy(update={
+        "callbacks": CallbackCollection(),
+        "device_parameters": device.model_copy(update={"compile_model": False})}))
     with sandboxed(trainer):
         with set_up(trainer):
             reports = _explain_blocks(trainer)
@@ -79,31 +86,22 @@ def _explain_blocks(trainer: BaseTrainer) -> list[BlockReport]:
 
 
 def _compiled_units(trainer: BaseTrainer) -> dict[str, nn.Module]:
-    """The modules the default ``apply_compile`` compiles, by dotted name, uncompiled.
-
-    A compiled block (``compile_model=True``) is put back as the module it wraps, so that the
-    training step runs eagerly and explain sees the user's code.
-    """
+    """The modules the default ``apply_compile`` compiles, by dotted name (set up without
+    compilation, so they run eagerly)."""
     units: dict[str, nn.Module] = {}
     for model_name, model in trainer.named_models().items():
-        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-            model = model._orig_mod
-            setattr(trainer, model_name, model)
         blocks = find_blocks(model)
         if not blocks:
             units[model_name] = model
         names = {id(module): name for name, module in model.named_modules()}
         for container, block_name, block in blocks:
-            if isinstance(block, torch._dynamo.eval_frame.OptimizedModule):
-                setattr(container, block_name, block._orig_mod)
-                block = block._orig_mod
             units[f"{model_name}.{names[id(container)]}.{block_name}".replace("..", ".")] = block
     return units
 
 
 def _record_inputs(trainer: BaseTrainer, blocks: dict[str, nn.Module]
                    ) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
-    """Each block's arguments at its first call in one training step on the first batch."""
+    """Each block's arguments at its first call in the first optimizer step of the loader."""
     recorded: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
 
     def recorder(name: str) -> Any:
@@ -115,15 +113,11 @@ def _record_inputs(trainer: BaseTrainer, blocks: dict[str, nn.Module]
 
     handles = [block.register_forward_pre_hook(recorder(name), with_kwargs=True)
                for name, block in blocks.items()]
-    batch = move_to_device(next(iter(trainer.train_dataloader)), trainer.world.device)
-    trainer.training = True  # what fit() sets around training steps: backward() checks it
-    for model in trainer.named_models().values():
-        model.train()
+    window = list(itertools.islice(trainer.train_dataloader,
+                                   trainer.training_parameters.gradient_accumulation_steps))
     try:
-        with trainer.precision.autocast():
-            trainer.training_step(batch, 0)
+        trainer.run_optimizer_step(window)
     finally:
-        trainer.training = False
         for handle in handles:
             handle.remove()
     return recorded

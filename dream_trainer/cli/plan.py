@@ -11,9 +11,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from dream_trainer.cli.arguments import add_target, positive_int
-from dream_trainer.cli.simulate import plan_rank
 from dream_trainer.cli.target import TargetError, load_trainer
 from dream_trainer.planning.report import MEASURED, SizePlan, parse_size, table, to_json
+from dream_trainer.planning.simulate import describe_failure, plan_rank
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -90,25 +90,9 @@ def _plan_size(args: argparse.Namespace, overrides: list[str], world_size: int) 
             raise  # the target or an override is wrong at every size
         except Exception as exc:
             plan.ranks.clear()
-            plan.error = _describe(exc, rank)
+            plan.error = describe_failure(exc, rank)
             return plan
     return plan
-
-
-def _describe(exc: Exception, rank: int) -> str:
-    """What the run would raise, or why the plan (not the run) cannot go on."""
-    from torch._subclasses.fake_tensor import (DataDependentOutputException,
-                                               DynamicOutputShapeException,
-                                               UnsupportedOperatorException)
-
-    if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException)):
-        return (f"rank {rank} cannot be planned: the trainer reads a tensor's values ({exc}: "
-                ".item(), .tolist(), bool() of a tensor, or a shape computed from values), "
-                "which the fake tensors of a plan do not have; skip that code when "
-                "self.world.simulated is True")
-    if isinstance(exc, UnsupportedOperatorException):
-        return f"rank {rank} cannot be planned: {exc} has no fake-tensor implementation in torch"
-    return f"rank {rank} would fail with {type(exc).__name__}: {exc}"
 
 
 def _sizes(text: str) -> list[int]:

@@ -9,8 +9,8 @@ from typing import Any
 
 from dream_trainer.callbacks.profiler import Profiler
 from dream_trainer.cli.arguments import add_target, positive_int
-from dream_trainer.cli.session import train_steps
 from dream_trainer.cli.target import load_trainer
+from dream_trainer.planning.session import train_steps
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:

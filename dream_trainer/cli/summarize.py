@@ -12,9 +12,9 @@ from torch import nn
 
 from dream_trainer.callbacks.summaries import ModelSummary, TrainerSummary
 from dream_trainer.cli.arguments import add_target, non_negative_int
-from dream_trainer.cli.session import attach, sandboxed, set_up
 from dream_trainer.cli.target import load_trainer
 from dream_trainer.parallel.pipeline import PipelineStages, describe_stage
+from dream_trainer.planning.session import attach, sandboxed, set_up
 from dream_trainer.trainer.base import BaseTrainer
 from dream_trainer.world.dims import MeshAxis
 

@@ -3,7 +3,6 @@ parallelism, activation checkpointing, compilation, FSDP2, DDP) and the order th
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from abc import abstractmethod
 from typing import Any
@@ -157,14 +156,14 @@ class ParallelizeModels(AbstractTrainer):
                              f"holds {len(ids)} (stages {ids})")
         stages = [self._on_stage(name, stage, self._apply_parallelism) for stage in stages]
         self.world.seed(self.config.seed)
-        with self.world.fake_mode or contextlib.nullcontext():
+        materialization = self.world.materialization
+        with materialization.context():
             if reference is None:
                 for stage in stages:
                     stage.to(self.world.device)
-            elif self.world.fake_mode is not None:
-                # A simulated rank (dream-trainer plan) has no values to reproduce.
+            elif not materialization.has_values:  # no one-process values to reproduce
                 for stage in stages:
-                    materialize(stage, self.world.device)
+                    materialize(stage, self.world.device, values=False)
             else:
                 materialize_stages(reference, stages, self.world.device)
         runner = PipelineRunner(params.pipeline_schedule, microbatches, ids,
@@ -172,7 +171,7 @@ class ParallelizeModels(AbstractTrainer):
                                 self.world.device)
         container = PipelineStages(stages, ids, pp_mesh.size() * per_rank, runner)
         setattr(self, name, container)
-        with self.world.fake_mode or contextlib.nullcontext():
+        with materialization.context():
             self._init_weights()
 
     def _pp_group(self) -> Any:

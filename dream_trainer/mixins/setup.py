@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import warnings
@@ -18,12 +17,12 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from dream_trainer.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, ExportFormat
 from dream_trainer.configs.base import ConfigModel
+from dream_trainer.data.loaders import prepare_loader
+from dream_trainer.mixins.parallelize import ParallelizeModels
 from dream_trainer.parallel.materialize import (FullTensorInit, any_rank_failed,
                                                 find_uninitialized, has_meta_tensors,
                                                 materialize, parameters_named)
 from dream_trainer.parallel.pipeline import PipelineStages
-from dream_trainer.data.loaders import prepare_loader
-from dream_trainer.mixins.parallelize import ParallelizeModels
 from dream_trainer.trainer.phases import runs_on
 from dream_trainer.trainer.schedulers import step_with_metric, takes_metric
 from dream_trainer.trainer.validation import map_loaders, named_sets
@@ -237,8 +236,7 @@ class SetupMixin(ParallelizeModels):
             self._setup_pipeline(replicate)
         else:
             self._apply_parallelism()
-            # A simulated rank (dream-trainer plan) materializes fake tensors: shapes only.
-            with self.world.fake_mode or contextlib.nullcontext():
+            with self.world.materialization.context():
                 self._materialize_models()
             if replicate:
                 mesh = self.world.get_mesh(MeshAxis.DP_REPLICATE)
@@ -257,7 +255,8 @@ class SetupMixin(ParallelizeModels):
         for name, model in self.named_models().items():
             names = pretrained.names(name) if pretrained is not None else set()
             if has_meta_tensors(model):
-                materialize(model, device, skip=names)
+                materialize(model, device, skip=names,
+                            values=self.world.materialization.has_values)
             else:
                 model.to(device)
             loaded += parameters_named(model, names)
@@ -269,10 +268,11 @@ class SetupMixin(ParallelizeModels):
         ``pretrained`` will set, in ``loaded``), then load ``pretrained``."""
         device = self.world.device
         loaded = loaded or []
+        if not self.world.materialization.has_values:
+            self.init_weights()
+            return  # no values to draw in full, to check, nor any to load
         with FullTensorInit(skip=loaded):
             self.init_weights()
-        if self.world.simulated:
-            return  # fake tensors hold no values to check, nor any to load
         # The parameters left for the pretrained weights still hold NaN; the load sets every
         # one of them or raises.
         bad = [entry for name, model in self.named_models().items()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Callable, Collection, Iterable
@@ -49,9 +50,7 @@ class FullTensorInit(TorchFunctionMode):
             or getattr(func, "__module__", None) == "torch.nn.init"
         if is_initializer and id(target) in self._skip:
             return target
-        # A fake tensor (dream-trainer plan) has no values: splitting a full-size fake tensor
-        # into its shards would cost time for nothing.
-        if not (is_initializer and is_dtensor(target)) or _is_fake(target.to_local()):
+        if not (is_initializer and is_dtensor(target)):
             return func(*args, **kwargs)
         from torch.distributed.tensor import distribute_tensor  # loaded: target is one
 
@@ -66,12 +65,6 @@ class FullTensorInit(TorchFunctionMode):
         with torch.no_grad():
             local.copy_(shard)
         return target
-
-
-def _is_fake(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(tensor)
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -91,7 +84,8 @@ def parameters_named(module: nn.Module, names: Collection[str]) -> list[torch.Te
             if state_dict_name(name) in names]
 
 
-def materialize(module: nn.Module, device: torch.device, skip: Collection[str] = ()) -> None:
+def materialize(module: nn.Module, device: torch.device, skip: Collection[str] = (),
+                values: bool = True) -> None:
     """Allocate ``module`` on ``device`` and run every submodule's ``reset_parameters``.
 
     Floating tensors are filled with NaN between allocation and reset, so that a tensor no
@@ -108,15 +102,21 @@ def materialize(module: nn.Module, device: torch.device, skip: Collection[str] =
         skip: Names of parameters not to initialize (see ``parameters_named``): pretrained
             weights are about to overwrite them, so neither time nor a full-size temporary
             tensor is spent on them. They hold NaN until then.
+        values: False for tensors without values (a ``Materialization`` whose
+            ``has_values`` is False): the initializers run as they are, on shapes only.
     """
     tied = _tied_parameters(module)
     module.to_empty(device=device)
     _retie(tied)
-    with torch.no_grad():
-        for tensor in itertools.chain(module.parameters(), module.buffers()):
-            if tensor.is_floating_point():
-                tensor.fill_(math.nan)
-    with FullTensorInit(skip=parameters_named(module, skip) if skip else ()):
+    if values:
+        with torch.no_grad():
+            for tensor in itertools.chain(module.parameters(), module.buffers()):
+                if tensor.is_floating_point():
+                    tensor.fill_(math.nan)
+    # Without values a sharded draw would split a full-size tensor for nothing.
+    full = FullTensorInit(skip=parameters_named(module, skip) if skip else ()) if values \
+        else contextlib.nullcontext()
+    with full:
         for submodule in module.modules():
             reset_module(submodule)
         init_hf_models(module)

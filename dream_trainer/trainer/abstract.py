@@ -11,11 +11,11 @@ from pydantic import Field
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from dream_trainer.trainer.callback_collection import CallbackCollection
-from dream_trainer.trainer.hooks import TrainerHooks
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.device import DeviceParameters
 from dream_trainer.errors import StopTraining
+from dream_trainer.trainer.callback_collection import CallbackCollection
+from dream_trainer.trainer.hooks import TrainerHooks
 from dream_trainer.trainer.phases import chain_base, run_phase_to_the_end
 from dream_trainer.world.world import DistributedWorld
 

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from pydantic import Field, model_validator
 
-from dream_trainer.trainer.callback_collection import CallbackCollection
 from dream_trainer.configs.device import pipeline_layout
 from dream_trainer.configs.training import TrainingParameters
 from dream_trainer.data.batch import move_to_device
@@ -20,12 +19,14 @@ from dream_trainer.data.stream import TrainBatches
 from dream_trainer.parallel.data_parallel import DataParallelBackend, backend_for
 from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainerConfig, StopTraining
+from dream_trainer.trainer.callback_collection import CallbackCollection
 from dream_trainer.trainer.item_weighting import ItemWeighting
 from dream_trainer.trainer.phases import (CLOSING_PHASES, call_through, check_config_mixins,
                                           run_phase)
 from dream_trainer.trainer.step_api import StepAPI
 from dream_trainer.trainer.validation import ValidationLoop, check_result, stop_is_an_error
 from dream_trainer.utils.averaging import ResultAverager
+from dream_trainer.world.materialization import Materialization
 from dream_trainer.world.world import DistributedWorld
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class BaseTrainer(StepAPI, ValidationLoop):
         self._start_batch = 0
         self._resharded = False
         self._train_batches: TrainBatches | None = None
+        self._configured = False
         super().__init__(*args, **kwargs)
         self.callbacks.attach(self)
 
@@ -125,18 +127,63 @@ class BaseTrainer(StepAPI, ValidationLoop):
             finally:
                 self.world.shutdown(graceful=completed)
 
-    def set_up(self) -> None:
+    def set_up(self, materialization: Materialization | None = None) -> None:
         """Launch, configure and set up exactly as ``fit()`` does before training.
 
         Afterwards the process group, the mesh, the (parallelized, materialized) models, the
         optimizers, the schedulers and the loaders exist, and the hooks up to ``post_setup``
         have run. The caller owns what was created: release it as ``fit()`` does, with
         ``teardown()`` and then ``world.shutdown()``, in a ``finally`` (also when this raises).
+
+        Args:
+            materialization: How the model tensors are created, for tools: ``dream-trainer
+                plan`` passes one whose tensors have shapes but no values. By default real
+                tensors, as ``fit()`` creates them. It lasts until ``world.shutdown()``.
         """
+        if materialization is not None:
+            self.world.materialization = materialization
         with stop_is_an_error("while the run is being set up, before training started"):
             self._launch()
             self._configure()
             self._setup()
+
+    def replace_config(self, config: BaseTrainerConfig) -> None:
+        """Run with ``config`` instead of the config given at construction, for tools that
+        run a user's trainer on their own terms (a temporary checkpoint directory, logging or
+        compilation off, no callbacks).
+
+        Allowed until the models are configured: before ``fit()``/``set_up()``, or from a
+        ``pre_launch``/``pre_configure`` hook. Before launch the callbacks are rebuilt from
+        ``config.callbacks`` (attached again); from a hook they must stay the same. The mesh
+        cannot change: the world was resolved from the first config's degrees.
+
+        Raises:
+            RuntimeError: after the models were configured, or from a hook with other
+                callbacks.
+            TypeError: if ``config`` is not of the trainer's config class.
+            ValueError: if its mesh degrees differ.
+        """
+        if type(config) is not type(self.config):
+            raise TypeError(f"replace_config() takes a {type(self.config).__name__}, got "
+                            f"{type(config).__name__}")
+        if self._configured:
+            raise RuntimeError("replace_config() after the models were configured: call it "
+                               "before fit()/set_up(), or from pre_launch/pre_configure")
+        degrees = ("dp_replicate", "dp_shard", "tensor_parallel", "context_parallel",
+                   "pipeline_parallel")
+        old, new = self.config.device_parameters, config.device_parameters
+        changed = [name for name in degrees if getattr(old, name) != getattr(new, name)]
+        if changed:
+            raise ValueError(f"replace_config() cannot change the mesh ({', '.join(changed)}): "
+                             "the world was resolved from the first config's degrees")
+        callbacks_changed = list(config.callbacks) != list(self.config.callbacks)
+        if callbacks_changed and self.world.is_launched:
+            raise RuntimeError("replace_config() from a hook cannot change the callbacks: "
+                               "replace them before fit()/set_up()")
+        self.config = config
+        if callbacks_changed:
+            self.callbacks = CallbackCollection(config.callbacks)
+            self.callbacks.attach(self)
 
     def _launch(self) -> None:
         self._fire("pre_launch")
@@ -145,6 +192,7 @@ class BaseTrainer(StepAPI, ValidationLoop):
 
     def _configure(self) -> None:
         self._fire("pre_configure")
+        self._configured = True
         self.configure()
         self._fire("post_configure")
 

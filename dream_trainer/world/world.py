@@ -6,8 +6,6 @@ import itertools
 import logging
 import random
 from datetime import timedelta
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -15,9 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from dream_trainer.configs.device import DeviceParameters
 from dream_trainer.world.dims import MeshAxis, ParallelDims
 from dream_trainer.world.environment import LaunchEnvironment, set_flight_recorder_entries
-
-if TYPE_CHECKING:
-    from torch._subclasses.fake_tensor import FakeTensorMode
+from dream_trainer.world.materialization import Materialization
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +51,9 @@ class DistributedWorld:
         self.dims = ParallelDims.resolve(device_parameters, self.env.world_size)
         self.device = self._pick_device(device_parameters.device, self.env.local_rank)
         self.mesh: DeviceMesh | None = None
-        self.fake_mode: FakeTensorMode | None = None
+        self.materialization = Materialization()
+        """How setup creates model tensors: with values, unless a tool chose otherwise
+        (``BaseTrainer.set_up(materialization=...)``)."""
         self.replica_group = 0
         """This run's index among the replica groups that train one model (fault tolerance)."""
         self.replica_groups = 1
@@ -100,8 +98,8 @@ class DistributedWorld:
     @property
     def simulated(self) -> bool:
         """True when this process simulates one rank of the job on torch's "fake" backend
-        (``dream-trainer plan``): collectives move no data and, once launched, ``fake_mode``
-        makes model tensors fake (shapes and dtypes without storage)."""
+        (``dream-trainer plan``): collectives move no data, and the tool that chose it also
+        chooses a ``materialization`` without values."""
         return self.env.backend == "fake"
 
     @property
@@ -208,11 +206,6 @@ class DistributedWorld:
                 f"environment says {self.world_size}"
             )
         self._build_mesh()
-        if self.simulated:
-            # Created after the mesh: DeviceMesh computes coordinates from real tensors.
-            from torch._subclasses.fake_tensor import FakeTensorMode
-
-            self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def _build_mesh(self) -> None:
         axes = self.dims.mesh_axes()
@@ -286,7 +279,7 @@ class DistributedWorld:
                 the peers may never arrive, so the barrier is skipped.
         """
         self.mesh = None
-        self.fake_mode = None
+        self.materialization = Materialization()  # a tool's choice lasts one set-up run
         self._flat_meshes.clear()
         if self._anomaly_before is not None:
             torch.autograd.set_detect_anomaly(self._anomaly_before)

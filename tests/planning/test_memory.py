@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dream_trainer.cli.simulate import plan_rank
+from dream_trainer.planning.simulate import plan_rank
 from dream_trainer.planning.memory import StepMemory, storage_bytes
 from tests.scripts.plan_trainer import SEQ, VOCAB, PlannedGPT, make_trainer
 
@@ -82,6 +82,7 @@ def test_dtensor_shape_propagation_on_global_fakes_is_not_this_ranks_memory() ->
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from dream_trainer.configs import DeviceParameters
+    from dream_trainer.planning.simulate import ShapesOnly
     from dream_trainer.world import DistributedWorld, LaunchEnvironment
 
     env = LaunchEnvironment(rank=5, world_size=1024, local_world_size=8, launched=True,
@@ -89,8 +90,8 @@ def test_dtensor_shape_propagation_on_global_fakes_is_not_this_ranks_memory() ->
     world = DistributedWorld(DeviceParameters(dp_shard="auto", device="cpu"), env)
     world.launch()
     try:
-        assert world.fake_mode is not None and world.mesh is not None
-        with world.fake_mode:
+        assert world.mesh is not None
+        with ShapesOnly().context():
             weight = distribute_tensor(torch.empty(4096, 4096), world.mesh, [Shard(0)])
             with StepMemory() as memory:
                 doubled = weight * 2  # 64 MiB globally, 64 KiB on this rank

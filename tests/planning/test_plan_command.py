@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -159,9 +160,9 @@ def test_summarize_and_plan_set_the_trainer_up_through_set_up(
     calls: list[int] = []
     original = BaseTrainer.set_up
 
-    def counted(self: BaseTrainer) -> None:
+    def counted(self: BaseTrainer, *args: Any, **kwargs: Any) -> None:
         calls.append(self.world.world_size)
-        original(self)
+        original(self, *args, **kwargs)
 
     monkeypatch.setattr(BaseTrainer, "set_up", counted)
     monkeypatch.chdir(tmp_path)  # the CLI script's outputs would default to ./outputs

@@ -13,7 +13,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from dream_trainer.cli.simulate import plan_rank
+from dream_trainer.planning.simulate import plan_rank
 from tests.scripts.plan_trainer import make_pipeline_trainer, make_trainer
 
 

@@ -67,3 +67,43 @@ def test_no_cli_module_or_callback_reaches_a_private_trainer_member() -> None:
                  for number, line in enumerate(path.read_text().splitlines(), 1)
                  if pattern.search(line)]
     assert offenders == []
+
+
+class Redirect(Callback):
+    """A tool's callback: replaces the run's config from pre_configure, after launch."""
+
+    def __init__(self, update: dict[str, Any]) -> None:
+        self.update = update
+
+    def pre_configure(self) -> None:
+        trainer = self.trainer
+        trainer.replace_config(trainer.config.model_copy(update=self.update))
+
+
+def test_replace_config_is_the_seam_tools_use_before_configure() -> None:
+    hooks = Hooks()
+    trainer = ToyTrainer(toy_config(callbacks=[hooks]))
+    original = trainer.config
+    # Before launch: another config, and its callbacks replace the trainer's.
+    quiet = original.model_copy(update={"callbacks": [], "lr": 0.5})
+    trainer.replace_config(quiet)
+    assert trainer.config is quiet and list(trainer.callbacks) == []
+    assert original.lr == 1e-2  # configs are never mutated
+    with pytest.raises(TypeError, match="replace_config\\(\\) takes a ToyConfig, got dict"):
+        trainer.replace_config({})  # type: ignore[arg-type]
+    wider = original.model_copy(update={"device_parameters": original.device_parameters
+                                        .model_copy(update={"dp_shard": 2})})
+    with pytest.raises(ValueError, match=r"cannot change the mesh \(dp_shard\)"):
+        trainer.replace_config(wider)
+
+    # From pre_configure (after launch): the config, not the callbacks.
+    redirect = Redirect({"optimizer": "sgd"})
+    trainer = ToyTrainer(toy_config(callbacks=[redirect], max_steps=1))
+    trainer.fit()
+    assert trainer.config.optimizer == "sgd"
+    assert isinstance(trainer.optimizer, torch.optim.SGD)
+    sneaky = Redirect({"callbacks": []})
+    with pytest.raises(RuntimeError, match="from a hook cannot change the callbacks"):
+        ToyTrainer(toy_config(callbacks=[sneaky])).fit()
+    with pytest.raises(RuntimeError, match="after the models were configured"):
+        trainer.replace_config(trainer.config)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dream_trainer.configs import DeviceParameters
+from dream_trainer.planning.simulate import ShapesOnly
 from dream_trainer.world import DistributedWorld, LaunchEnvironment
 
 
@@ -29,6 +30,7 @@ def test_a_simulated_rank_launches_the_whole_mesh_and_fake_groups_in_one_process
     env = LaunchEnvironment(rank=1023, world_size=1024, local_world_size=8, launched=True,
                             backend="fake")
     world = DistributedWorld(DeviceParameters(dp_shard="auto", tensor_parallel=8), env)
+    shapes = world.materialization = ShapesOnly()  # what plan passes to set_up()
     world.launch()
     try:
         assert dist.get_world_size() == 1024 and dist.get_rank() == 1023
@@ -36,20 +38,21 @@ def test_a_simulated_rank_launches_the_whole_mesh_and_fake_groups_in_one_process
         assert tuple(world.mesh.get_coordinate() or ()) == (127, 7)
         group = world.new_group("gloo")  # a gloo group would wait for 1,023 absent peers
         assert dist.get_backend(group) == "fake"
-        assert world.fake_mode is not None
-        with world.fake_mode:
+        assert not world.materialization.has_values
+        with world.materialization.context():
             huge = torch.empty(1 << 40)  # 4 TiB of shape, no storage
         assert huge.untyped_storage().nbytes() == 4 << 40
     finally:
         world.shutdown()
-    assert not dist.is_initialized() and world.fake_mode is None
+    assert not dist.is_initialized() and world.materialization is not shapes
+    assert world.materialization.has_values  # a tool's choice lasts one run
 
 
-def test_a_real_world_has_no_fake_mode() -> None:
+def test_a_real_world_materializes_real_tensors() -> None:
     world = DistributedWorld(DeviceParameters(), LaunchEnvironment())
     world.launch()
     try:
-        assert world.fake_mode is None and not world.simulated and world.backend == "gloo"
+        assert world.materialization.has_values and not world.simulated and world.backend == "gloo"
         assert dist.get_backend(world.new_group()) == "gloo"
     finally:
         world.shutdown()

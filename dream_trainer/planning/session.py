@@ -12,13 +12,14 @@ from typing import Any
 import torch.distributed as dist
 from typing_extensions import override
 
-from dream_trainer.trainer.callback import Callback
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.checkpoint import CheckpointParameters
 from dream_trainer.configs.logging import LoggingParameters
 from dream_trainer.configs.training import TrainingParameters
 from dream_trainer.trainer.base import BaseTrainer
+from dream_trainer.trainer.callback import Callback
 from dream_trainer.trainer.phases import call_through
+from dream_trainer.world.materialization import Materialization
 
 
 class Sandbox(Callback[BaseTrainer]):
@@ -26,8 +27,8 @@ class Sandbox(Callback[BaseTrainer]):
 
     At ``pre_configure``, once the process group exists, rank 0 creates the directory and
     every rank receives its name, so that a multi-rank checkpoint lands in one place (a
-    simulated rank creates its own). The
-    trainer's config is replaced by a copy in which every ``CheckpointParameters`` field
+    simulated rank creates its own). The trainer's config is replaced (``replace_config``) by
+    a copy in which every ``CheckpointParameters`` field
     writes there, with no periodic saves and no resume, every ``LoggingParameters`` field is
     disabled (no local files, no wandb run), and ``TrainingParameters`` get ``training``.
     Nothing the trainer does then reaches the directories the user configured.
@@ -49,7 +50,8 @@ class Sandbox(Callback[BaseTrainer]):
         if world.world_size > 1 and not world.simulated:
             dist.broadcast_object_list(holder, src=0)
         self.directory = Path(holder[0])  # type: ignore[arg-type]
-        self.trainer.config = _redirected(self.trainer.config, self.directory, self.training)
+        self.trainer.replace_config(_redirected(self.trainer.config, self.directory,
+                                                self.training))
 
 
 def _redirected(config: Any, directory: Path, training: dict[str, Any]) -> Any:
@@ -95,15 +97,16 @@ def train_steps(trainer: BaseTrainer, steps: int, *callbacks: Callback[Any]) -> 
 
 
 @contextmanager
-def set_up(trainer: BaseTrainer) -> Iterator[None]:
-    """``trainer.set_up()`` for the duration of the block.
+def set_up(trainer: BaseTrainer,
+           materialization: Materialization | None = None) -> Iterator[None]:
+    """``trainer.set_up(materialization)`` for the duration of the block.
 
     The process group is torn down afterwards exactly as ``fit()`` tears it down, also when
     ``set_up()`` or the block raises.
     """
     completed = False
     try:
-        trainer.set_up()
+        trainer.set_up(materialization)
         yield
         completed = True
     finally:

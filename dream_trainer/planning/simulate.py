@@ -1,5 +1,5 @@
 """One simulated rank of ``dream-trainer plan``: the user's setup and one optimizer step on
-torch's fake backend, measured."""
+torch's fake backend and fake tensors, measured."""
 
 from __future__ import annotations
 
@@ -13,19 +13,57 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                           DynamicOutputShapeException, FakeTensorMode,
+                                           UnsupportedOperatorException)
 from torch.utils._pytree import tree_leaves, tree_map_only
 from typing_extensions import override
 
-from dream_trainer.trainer.callback import Callback
-from dream_trainer.trainer.callback_collection import CallbackCollection
-from dream_trainer.cli.session import attach, sandboxed, set_up
-from dream_trainer.planning.comms import AxisCommMode, group_axes
 from dream_trainer.parallel.pipeline import PipelineStages
+from dream_trainer.planning.comms import AxisCommMode, group_axes
 from dream_trainer.planning.memory import StepMemory, optimizer_tensors, storages
 from dream_trainer.planning.pipeline import BoundariesNeeded, PlannedPipeline
 from dream_trainer.planning.report import RankPlan
+from dream_trainer.planning.session import attach, sandboxed, set_up
 from dream_trainer.trainer.base import BaseTrainer
+from dream_trainer.trainer.callback import Callback
+from dream_trainer.trainer.callback_collection import CallbackCollection
 from dream_trainer.world.environment import LaunchEnvironment
+from dream_trainer.world.materialization import Materialization
+
+
+class ShapesOnly(Materialization):
+    """Fake tensors: shapes and dtypes without storage, so a rank of any size sets up on one
+    CPU. The mode is made at first use, after the mesh: DeviceMesh computes its coordinates
+    from real tensors."""
+
+    has_values = False
+
+    def __init__(self) -> None:
+        self._mode: FakeTensorMode | None = None
+
+    @property
+    def mode(self) -> FakeTensorMode:
+        if self._mode is None:
+            self._mode = FakeTensorMode(allow_non_fake_inputs=True)
+        return self._mode
+
+    @override
+    def context(self) -> FakeTensorMode:
+        return self.mode
+
+
+class _UnsplitModels(Callback[BaseTrainer]):
+    """Keep a copy of each model as ``configure_models`` built it (on the meta device, so
+    free), for ``PlannedPipeline`` to find the stage boundaries' shapes."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, torch.nn.Module] = {}
+
+    @override
+    def post_configure(self) -> None:
+        self.models = {name: copy.deepcopy(model)
+                       for name, model in self.trainer.named_models().items()}
 
 
 class _GradientProbe(Callback[BaseTrainer]):
@@ -97,10 +135,11 @@ def plan_rank(load: Callable[[], BaseTrainer], world_size: int, rank: int,
 def _measure(trainer: BaseTrainer,
              boundaries: dict[int, tuple[torch.Size, torch.dtype]] | None) -> RankPlan:
     device = trainer.config.device_parameters
-    if device.compile_model:
-        # Compiling would trace the fake step for nothing: the memory is the eager one's.
-        trainer.config = trainer.config.model_copy(update={
-            "device_parameters": device.model_copy(update={"compile_model": False})})
+    # No callbacks (their hooks may read values fake tensors do not have), and no compilation
+    # (it would trace the fake step for nothing: the memory is the eager one's).
+    trainer.replace_config(trainer.config.model_copy(update={
+        "callbacks": CallbackCollection(),
+        "device_parameters": device.model_copy(update={"compile_model": False})}))
     dims = trainer.world.dims
     if dims.dp_replicate > 1 and dims.dp_shard == 1:
         raise NotImplementedError(
@@ -108,24 +147,23 @@ def _measure(trainer: BaseTrainer,
             "DDP's C++ reducer needs real gradient buffers, which on one CPU would hold the "
             "whole model; plan the run with FSDP or HSDP (dp_shard > 1) instead"
         )
-    trainer.callbacks = CallbackCollection()
     probe = _GradientProbe()
-    references = _keep_unsplit_models(trainer) if dims.pp > 1 else {}
+    unsplit = _UnsplitModels()
+    shapes = ShapesOnly()
     with sandboxed(trainer):
-        attach(trainer, probe)
-        with set_up(trainer):
+        attach(trainer, probe, *([unsplit] if dims.pp > 1 else []))
+        with set_up(trainer, shapes):
             world = trainer.world
-            assert world.fake_mode is not None
-            batches, source = _window(trainer)
+            batches, source = _window(trainer, shapes.mode)
             memory = StepMemory()
             probe.memory = memory
             comms = AxisCommMode(group_axes(world))
             for name, model in trainer.named_models().items():
                 if isinstance(model, PipelineStages) and model.runner is not None:
-                    model.runner = PlannedPipeline(model.runner, references[name],
+                    model.runner = PlannedPipeline(model.runner, unsplit.models[name],
                                                    device.param_dtype, comms.record,
                                                    boundaries)
-            with world.fake_mode, comms, memory, warnings.catch_warnings():
+            with shapes.mode, comms, memory, warnings.catch_warnings():
                 # The comm mode's module hooks make torch warn about full backward hooks.
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
                 trainer.run_optimizer_step(batches)
@@ -152,28 +190,10 @@ def _measure(trainer: BaseTrainer,
             )
 
 
-def _keep_unsplit_models(trainer: BaseTrainer) -> dict[str, torch.nn.Module]:
-    """Have the trainer's pipeline split keep a copy of each model as it was before (on the
-    meta device, so free), for ``PlannedPipeline`` to find the stage boundaries' shapes."""
-    references: dict[str, torch.nn.Module] = {}
-    split = trainer.apply_pipeline_parallel  # type: ignore[attr-defined]
-
-    def keep_and_split(pp_mesh: Any) -> Any:
-        for name, model in trainer.named_models().items():
-            if all(tensor.is_meta for tensor in model.parameters()):
-                references[name] = copy.deepcopy(model)
-        return split(pp_mesh)
-
-    trainer.apply_pipeline_parallel = keep_and_split  # type: ignore[attr-defined]
-    return references
-
-
-def _window(trainer: BaseTrainer) -> tuple[list[Any], str]:
+def _window(trainer: BaseTrainer, fake_mode: FakeTensorMode) -> tuple[list[Any], str]:
     """One optimizer step's micro-batches as fake tensors: from ``plan_batch()`` if the trainer
     has one (called under the fake mode, so it may build batches of any size for free), else
     the first ones of this rank's train loader."""
-    fake_mode = trainer.world.fake_mode
-    assert fake_mode is not None
     count = trainer.training_parameters.gradient_accumulation_steps
     plan_batch = getattr(trainer, "plan_batch", None)
     if callable(plan_batch):
@@ -208,3 +228,13 @@ def _nbytes(batch: Any) -> int:
                if isinstance(t, torch.Tensor))
 
 
+def describe_failure(exc: Exception, rank: int) -> str:
+    """What the run would raise, or why the plan (not the run) cannot go on."""
+    if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException)):
+        return (f"rank {rank} cannot be planned: the trainer reads a tensor's values ({exc}: "
+                ".item(), .tolist(), bool() of a tensor, or a shape computed from values), "
+                "which the fake tensors of a plan do not have; skip that code when "
+                "self.world.simulated is True")
+    if isinstance(exc, UnsupportedOperatorException):
+        return f"rank {rank} cannot be planned: {exc} has no fake-tensor implementation in torch"
+    return f"rank {rank} would fail with {type(exc).__name__}: {exc}"
