@@ -9,7 +9,6 @@ from torch import nn
 from typing_extensions import override
 
 from dream_trainer.callbacks.progress_bar import planned_optimizer_steps
-from dream_trainer.configs.device import pipeline_layout
 from dream_trainer.parallel.dtensor import local_tensor
 from dream_trainer.trainer.callback import RankZeroCallback
 
@@ -169,10 +168,9 @@ class TrainerSummary(RankZeroCallback):
             "reduce_dtype": str(device.reduce_dtype).removeprefix("torch."),
         }
         if dims.pp > 1:
-            stages_per_rank, microbatches = pipeline_layout(device, dims.pp)
             self.summary.update({"pipeline_schedule": device.pipeline_schedule,
-                                 "pipeline_stages": dims.pp * stages_per_rank,
-                                 "pipeline_microbatches": microbatches})
+                                 "pipeline_stages": dims.pp_stages,
+                                 "pipeline_microbatches": dims.pp_microbatches})
         from rich.table import Table
 
         table = Table(title="Trainer")

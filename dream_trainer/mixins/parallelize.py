@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dream_trainer.configs.device import ddp_pipeline_problem, pipeline_layout
+from dream_trainer.configs.device import ddp_pipeline_problem
 from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.data_parallel import DDPBackend
 from dream_trainer.parallel.materialize import has_meta_tensors, materialize
@@ -47,10 +47,8 @@ class ParallelizeModels(AbstractTrainer):
             One module per stage in ``stage_ids(pp_mesh.get_local_rank(), pp_mesh.size(),
             device_parameters)``, in that order.
         """
-        params = self.config.device_parameters
-        ids = stage_ids(pp_mesh.get_local_rank(), pp_mesh.size(), params)
-        num_stages = pp_mesh.size() * pipeline_layout(params, pp_mesh.size())[0]
-        return split_model(getattr(self, _pipelined_model(self)), ids, num_stages)
+        ids = stage_ids(pp_mesh.get_local_rank(), pp_mesh.size(), self.config.device_parameters)
+        return split_model(getattr(self, _pipelined_model(self)), ids, self.world.dims.pp_stages)
 
     def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
         """Parallelize the models over ``tp_mesh`` (``parallelize_module``).
@@ -147,9 +145,8 @@ class ParallelizeModels(AbstractTrainer):
         reference = copy.deepcopy(model) if has_meta_tensors(model) else None
         pp_mesh = self.world.get_mesh(MeshAxis.PP)
         assert pp_mesh is not None
-        params = self.config.device_parameters
+        params, dims = self.config.device_parameters, self.world.dims
         ids = stage_ids(pp_mesh.get_local_rank(), pp_mesh.size(), params)
-        per_rank, microbatches = pipeline_layout(params, pp_mesh.size())
         stages = self.apply_pipeline_parallel(pp_mesh)
         if len(stages) != len(ids):
             raise ValueError(f"apply_pipeline_parallel returned {len(stages)} stages; this rank "
@@ -166,10 +163,9 @@ class ParallelizeModels(AbstractTrainer):
                     materialize(stage, self.world.device, values=False)
             else:
                 materialize_stages(reference, stages, self.world.device)
-        runner = PipelineRunner(params.pipeline_schedule, microbatches, ids,
-                                pp_mesh.size() * per_rank, pp_mesh.size(), self._pp_group,
-                                self.world.device)
-        container = PipelineStages(stages, ids, pp_mesh.size() * per_rank, runner)
+        runner = PipelineRunner(params.pipeline_schedule, dims.pp_microbatches, ids,
+                                dims.pp_stages, dims.pp, self._pp_group, self.world.device)
+        container = PipelineStages(stages, ids, dims.pp_stages, runner)
         setattr(self, name, container)
         with materialization.context():
             self._init_weights()

@@ -65,12 +65,8 @@ class StepAPI(AbstractTrainer):
                 "y); self.backward(loss)` with `loss = self.forward_backward(self.model, x, "
                 "target=y, loss_fn=loss_fn)`, which does the same without a pipeline"
             )
-        if num_items is None:
-            self.item_weighting.note_unweighted()
-            accumulation = self.training_parameters.gradient_accumulation_steps
-            loss = loss / accumulation if accumulation > 1 else loss
-        else:
-            self.item_weighting.add(num_items)
+        divisor = self._count_items(num_items)
+        loss = loss / divisor if divisor > 1 else loss
         self.precision.scale(loss).backward()
 
     def forward_backward(self, model: nn.Module, *inputs: Any, target: Any, loss_fn: LossFn,
@@ -110,13 +106,8 @@ class StepAPI(AbstractTrainer):
                 loss = loss_fn(model(*inputs), target)
                 self.backward(loss, num_items=num_items)
                 return full_value(loss.detach())  # a DTensor under loss_parallel
-            if num_items is None:
-                self.item_weighting.note_unweighted()
-                scale = 1.0 / self.training_parameters.gradient_accumulation_steps
-            else:
-                self.item_weighting.add(num_items)
-                scale = 1.0
-            return model.run(inputs, target, loss_fn, scale, num_items is not None)
+            divisor = self._count_items(num_items)
+            return model.run(inputs, target, loss_fn, 1.0 / divisor, num_items is not None)
 
     def forward_loss(self, model: nn.Module, *inputs: Any, target: Any, loss_fn: LossFn,
                      num_items: int | torch.Tensor | None = None) -> torch.Tensor:
@@ -136,6 +127,17 @@ class StepAPI(AbstractTrainer):
                 return full_value(loss_fn(model(*inputs), target).detach())
             return model.run(inputs, target, loss_fn, None, num_items is not None)
 
+    def _count_items(self, num_items: int | torch.Tensor | None) -> int:
+        """Record one backward's items for the window's weighting (or that it has none); return
+        what its loss is divided by: ``gradient_accumulation_steps`` for a mean loss, whose
+        window is averaged over micro-batches, and 1 for a sum, which ``step()`` normalizes
+        by the window's item count."""
+        if num_items is None:
+            self.item_weighting.note_unweighted()
+            return self.training_parameters.gradient_accumulation_steps
+        self.item_weighting.add(num_items)
+        return 1
+
     def _loss_context(self) -> contextlib.AbstractContextManager[Any]:
         if not self.config.device_parameters.loss_parallel:
             return contextlib.nullcontext()
@@ -145,11 +147,15 @@ class StepAPI(AbstractTrainer):
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: LRScheduler | None = None) -> torch.Tensor:
-        """Unscale (float16), clip, step the optimizer, zero the gradients, step the scheduler.
+        """Turn the window's gradients into one update, in named stages: ``pre_optimizer_step``
+        hooks (where fault tolerance averages across replica groups), unscale (float16),
+        normalize by the window's items (after ``backward(loss, num_items=n)``: the mean over
+        every item of the global batch), clip, apply (``optimizer_step``, the override point
+        for mixins that decide whether an update happens), zero the gradients, step the
+        scheduler, ``post_optimizer_step`` hooks.
 
         With float16 a step whose gradients overflowed is skipped by the scaler and counted in
-        ``precision.skipped_steps``. After ``backward(loss, num_items=n)`` the gradients are
-        first scaled to the mean over every item of the global batch.
+        ``precision.skipped_steps``.
 
         Args:
             model: The model whose gradient norm is measured and clipped.
@@ -170,16 +176,28 @@ class StepAPI(AbstractTrainer):
             )
         self._fire("pre_optimizer_step", model, optimizer)
         self.precision.unscale_(optimizer)
+        self._normalize_items(model)
+        grad_norm = self._clip(model)
+        self.optimizer_step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        self._step_scheduler(optimizer, scheduler)
+        self._fire("post_optimizer_step", model, optimizer)
+        return grad_norm
+
+    def _normalize_items(self, model: nn.Module) -> None:
         if self.item_weighting.active:
             dp_mesh = self.world.dp_mesh
             self.item_weighting.scale_gradients(
                 model.parameters(), None if dp_mesh is None else dp_mesh.get_group(),
                 self.world.dp_size)
+
+    def _clip(self, model: nn.Module) -> torch.Tensor:
         pp_mesh = self.world.get_mesh(MeshAxis.PP)
-        grad_norm = clip_grad_norm(model.parameters(), self.training_parameters.gradient_clip_val,
-                                   pipeline_group=None if pp_mesh is None else pp_mesh.get_group())
-        self.optimizer_step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
+        return clip_grad_norm(model.parameters(), self.training_parameters.gradient_clip_val,
+                              pipeline_group=None if pp_mesh is None else pp_mesh.get_group())
+
+    def _step_scheduler(self, optimizer: torch.optim.Optimizer,
+                        scheduler: LRScheduler | None) -> None:
         if scheduler is None:
             scheduler = self._scheduler_for(optimizer)
         elif takes_metric(scheduler):
@@ -189,8 +207,6 @@ class StepAPI(AbstractTrainer):
             )
         if scheduler is not None:
             scheduler.step()
-        self._fire("post_optimizer_step", model, optimizer)
-        return grad_norm
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Apply the gradients: ``optimizer.step()``, through the gradient scaler with float16.

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
-from dream_trainer.configs.device import DeviceParameters
+from dream_trainer.configs.device import DeviceParameters, pipeline_layout
 from dream_trainer.errors import MeshMismatchError
 
 
@@ -41,13 +41,18 @@ _AXIS_FIELDS = (
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Concrete mesh degrees for one world size: the resolved form of ``DeviceParameters``."""
+    """Concrete mesh degrees for one world size, and the pipeline's layout: the resolved form
+    of ``DeviceParameters``, computed once; everything else reads it."""
 
     pp: int
     dp_replicate: int
     dp_shard: int
     cp: int
     tp: int
+    pp_stages_per_rank: int = 1
+    """Pipeline stages each pipeline rank holds (``pipeline_stages_per_rank`` resolved)."""
+    pp_microbatches: int = 1
+    """Microbatches per pipeline step (``pipeline_microbatches`` resolved)."""
 
     @classmethod
     def resolve(cls, params: DeviceParameters, world_size: int) -> ParallelDims:
@@ -74,7 +79,15 @@ class ParallelDims:
                 f"the degrees multiply to {world_size}, set one of them to 'auto', or launch "
                 f"with --nproc_per_node={fixed}"
             )
-        return cls(*(int(degrees[axis]) for axis, _ in _AXIS_FIELDS))
+        resolved = [int(degrees[axis]) for axis, _ in _AXIS_FIELDS]
+        pp = resolved[0]
+        layout = pipeline_layout(params, pp) if pp > 1 else (1, 1)
+        return cls(*resolved, *layout)
+
+    @property
+    def pp_stages(self) -> int:
+        """Pipeline stages in all: ``pp`` x ``pp_stages_per_rank``."""
+        return self.pp * self.pp_stages_per_rank
 
     @property
     def dp(self) -> int:
