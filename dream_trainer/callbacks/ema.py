@@ -6,19 +6,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from dream_trainer.parallel.dtensor import local_tensor
+from dream_trainer.parallel.names import canonical_name
 from dream_trainer.trainer.callback import Callback
 
 NUM_UPDATES = "num_updates"
 """The ``state_dict`` key of the update count; every other key names an averaged parameter."""
-
-# Attributes under which torch.compile and activation checkpointing nest the module they wrap.
-# get_model_state_dict drops them too, so EMA keys match the checkpoint's model keys.
-_WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
-
 
 class EMA(Callback):
     """Average every trainable parameter, ``shadow = decay * shadow + (1 - decay) * weight``,
@@ -152,7 +147,7 @@ class EMA(Callback):
         for model_name, model in self.trainer.named_models().items():
             for name, param in model.named_parameters():
                 if param.requires_grad:
-                    key = f"{model_name}.{_canonical_name(model, name)}"
+                    key = f"{model_name}.{canonical_name(model, name)}"
                     self._params[key] = param
                     self._shadows[key] = param.detach().clone()
         if self._pending:
@@ -176,11 +171,4 @@ class EMA(Callback):
                                  self._backup)
         self._backup = None
 
-
-def _canonical_name(model: nn.Module, name: str) -> str:
-    """``name`` without the DDP, torch.compile and activation-checkpointing wrapper prefixes."""
-    parts = name.split(".")
-    if isinstance(model, DistributedDataParallel):
-        parts = parts[1:]
-    return ".".join(part for part in parts if part not in _WRAPPER_ATTRIBUTES)
 

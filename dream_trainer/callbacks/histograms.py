@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from dream_trainer.mixins.logging import LoggerMixin
 from dream_trainer.parallel.dtensor import is_dtensor
+from dream_trainer.parallel.names import canonical_name
 from dream_trainer.trainer.callback import Callback
-
-# Attributes under which torch.compile and activation checkpointing nest the module they
-# wrap: left out of the logged names, which are then those of the model as written.
-_WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
-
 
 class Histograms(Callback[LoggerMixin]):
     """Log the distribution of every trainable parameter and its gradient every
@@ -64,7 +59,7 @@ class Histograms(Callback[LoggerMixin]):
         for name, param in model.named_parameters():
             if not param.requires_grad:
                 continue
-            key = f"{model_name}/{_canonical_name(model, name)}"
+            key = f"{model_name}/{canonical_name(model, name)}"
             if self.weights:
                 values = _full(param)
                 if log:
@@ -80,10 +75,3 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return tensor.full_tensor() if is_dtensor(tensor) else tensor.detach()
 
-
-def _canonical_name(model: nn.Module, name: str) -> str:
-    """``name`` without the DDP, torch.compile and activation-checkpointing wrapper parts."""
-    parts = name.split(".")
-    if isinstance(model, DistributedDataParallel):
-        parts = parts[1:]
-    return ".".join(part for part in parts if part not in _WRAPPER_ATTRIBUTES)

@@ -20,11 +20,10 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from dream_trainer.checkpoint.layout import CheckpointError
 from dream_trainer.parallel.hf_init import is_hf_model
-from dream_trainer.parallel.materialize import state_dict_name
+from dream_trainer.parallel.names import clean_name, unwrap_ddp
 
 logger = logging.getLogger(__name__)
 
@@ -106,10 +105,10 @@ def write_index(out: Path, shards: list[list[str]], sizes: Mapping[str, int]) ->
 
 def tied_groups(model: nn.Module) -> dict[str, int]:
     """State-dict key -> group number, for keys whose parameter another key shares."""
-    root = model.module if isinstance(model, DistributedDataParallel) else model
+    root = unwrap_ddp(model)
     by_param: dict[int, list[str]] = {}
     for name, param in root.named_parameters(remove_duplicate=False):
-        by_param.setdefault(id(param), []).append(state_dict_name(name))
+        by_param.setdefault(id(param), []).append(clean_name(name))
     groups = [names for names in by_param.values() if len(set(names)) > 1]
     return {name: number for number, names in enumerate(groups) for name in names}
 
@@ -221,7 +220,7 @@ def _publish(staging: Path, target: Path, count: int, model: nn.Module | None) -
     if count == 1:
         produced[0].replace(staging / WEIGHTS)
         (staging / INDEX).unlink()
-    root = model.module if isinstance(model, DistributedDataParallel) else model
+    root = unwrap_ddp(model)
     if is_hf_model(root):
         root.config.to_json_file(str(staging / CONFIG))  # type: ignore[operator,union-attr]
     replace_weights(staging, target)

@@ -15,9 +15,8 @@ from torch.overrides import TorchFunctionMode
 
 from dream_trainer.parallel.dtensor import is_dtensor, local_tensor
 from dream_trainer.parallel.hf_init import init_hf_models
+from dream_trainer.parallel.names import clean_name
 
-# Wrappers whose attribute shows in parameter names but not in get_model_state_dict's keys.
-_WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
 _CHECK_ELEMENTS = 2**22  # 16 MiB of float32 per isfinite call
 _RANDOM_FILLS = frozenset({"uniform_", "normal_", "bernoulli_", "random_", "exponential_",
                            "geometric_", "log_normal_", "cauchy_"})
@@ -72,16 +71,11 @@ def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
-def state_dict_name(name: str) -> str:
-    """A parameter's name as ``get_model_state_dict`` keys it (no wrapper attributes)."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
-
-
 def parameters_named(module: nn.Module, names: Collection[str]) -> list[torch.Tensor]:
     """The parameters of ``module`` whose names (as ``get_model_state_dict`` keys them,
     without wrapper attributes) are in ``names``."""
     return [param for name, param in module.named_parameters(remove_duplicate=False)
-            if state_dict_name(name) in names]
+            if clean_name(name) in names]
 
 
 def materialize(module: nn.Module, device: torch.device, skip: Collection[str] = (),

@@ -26,14 +26,10 @@ from typing_extensions import override
 from dream_trainer.configs.device import V_SCHEDULES, DeviceParameters, pipeline_layout
 from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.materialize import reset_module
+from dream_trainer.parallel.names import clean_name
 
 if TYPE_CHECKING:
     from dream_trainer.parallel.pipeline_schedule import PipelineRunner
-
-# Attributes under which torch.compile and activation checkpointing nest the module they
-# wrap; names without them are the model's own (DCP strips them the same way).
-_WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
-
 
 def stage_ids(pp_rank: int, pp_size: int, params: DeviceParameters) -> list[int]:
     """The pipeline stages a pipeline rank holds, in increasing order.
@@ -191,11 +187,6 @@ def _prune(model: nn.Module, path: list[str], owners: dict[str, int], stage: int
             setattr(node, name, None)
     if type(node) is nn.Sequential:
         node.__class__ = _StageSequential
-
-
-def clean_name(name: str) -> str:
-    """``name`` without the torch.compile and activation-checkpointing wrapper segments."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_ATTRIBUTES)
 
 
 def materialize_stages(reference: nn.Module, stages: Sequence[nn.Module],
