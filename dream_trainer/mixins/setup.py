@@ -88,8 +88,6 @@ class SetupMixin(ParallelizeModels):
        it splits the data across data-parallel ranks and can resume mid-epoch).
     """
 
-    config_mixin = SetupConfigMixin
-
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
