@@ -15,7 +15,7 @@ class LRMonitor(RankZeroCallback):
 
     After optimizer step ``N`` (scheduler stepped), the values are those the next update uses,
     as ``scheduler.get_last_lr()`` reports them. They are kept in ``latest`` and ``history`` and
-    passed to ``trainer.log_dict(values, step=N)`` when the trainer has one (a logger mixin).
+    passed to ``trainer.log_dict(values, step=N)`` when the trainer is a ``LoggerMixin``.
     Keys are ``lr/<optimizer>``, or ``lr/<optimizer>/<group index>`` for several groups.
     Rank 0 only: the learning rates are the same on every rank.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import PositiveInt
+from pydantic import Field, PositiveInt
 
 from dream_trainer.configs.base import ConfigModel
 
@@ -20,3 +20,11 @@ class LoggingParameters(ConfigModel):
     """Logs go to ``<log_dir>/<project>/<group>/<experiment>/logs/``."""
     histogram_bins: PositiveInt = 64
     """Equal-width bins of the histograms ``log_histogram`` records (``Histograms`` callback)."""
+
+
+class LoggingConfigMixin(ConfigModel):
+    """Adds ``logging_parameters``: the base of every logger's config mixin, so that a config
+    composing several loggers has the field once."""
+
+    logging_parameters: LoggingParameters = Field(default_factory=LoggingParameters)
+    """Logging cadence and location, shared by every logger of the run."""

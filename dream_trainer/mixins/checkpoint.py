@@ -80,9 +80,7 @@ class CheckpointMixin(AbstractTrainer):
     @property
     def checkpoint_dir(self) -> Path:
         """``<root_dir>/<project>/<group>/<experiment>/checkpoints``."""
-        config = self.config
-        return (Path(self.checkpoint_parameters.root_dir) / config.project / config.group
-                / config.experiment / "checkpoints")
+        return self.config.run_dir(self.checkpoint_parameters.root_dir) / "checkpoints"
 
     # -- phases ----------------------------------------------------------------------------
     @runs_on("post_setup")

@@ -9,20 +9,16 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-from pydantic import Field
 
-from dream_trainer.configs.base import ConfigModel
-from dream_trainer.configs.logging import LoggingParameters
+from dream_trainer.configs.logging import LoggingConfigMixin
 from dream_trainer.mixins.logging import LoggerMixin
 from dream_trainer.utils.media import (Histogram, ImagesLike, MediaFiles, to_uint8_images,
                                        to_uint8_video)
 
 
-class CSVLoggerConfigMixin(ConfigModel):
-    """Adds ``logging_parameters`` for ``CSVLoggerMixin``."""
-
-    logging_parameters: LoggingParameters = Field(default_factory=LoggingParameters)
-    """Logging cadence and location (the file is ``<log_dir>/.../logs/metrics.csv``)."""
+class CSVLoggerConfigMixin(LoggingConfigMixin):
+    """``logging_parameters`` for ``CSVLoggerMixin`` (the file is
+    ``<log_dir>/.../logs/metrics.csv``)."""
 
 
 class CSVLoggerMixin(LoggerMixin):

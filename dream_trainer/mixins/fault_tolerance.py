@@ -136,7 +136,6 @@ class FaultTolerantMixin(BaseTrainer):
         """Each group logs on its own: ``.../logs/replica_<replica_id>``."""
         return super().log_dir / f"replica_{self.replica_id}"  # type: ignore[misc]
 
-    # -- hooks -----------------------------------------------------------------------------
     # -- phases (run whether or not user hooks call super()) ----------------------------------
     @runs_on("post_setup", after_bases=True)
     def _join_replica_groups(self) -> None:

@@ -8,10 +8,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-from pydantic import Field
 
-from dream_trainer.configs.base import ConfigModel
-from dream_trainer.configs.logging import LoggingParameters
+from dream_trainer.configs.logging import LoggingConfigMixin, LoggingParameters
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.trainer.phases import runs_on
 from dream_trainer.utils.media import (Histogram, ImagesLike, MediaFiles, check_images,
@@ -33,6 +31,9 @@ class LoggerMixin(AbstractTrainer):
     no open run); here they check their arguments, on every rank, and log nothing.
     """
 
+    config_mixin = LoggingConfigMixin
+
+
     @property
     def logging_parameters(self) -> LoggingParameters:
         return self.config.logging_parameters  # type: ignore[attr-defined,no-any-return]
@@ -40,9 +41,7 @@ class LoggerMixin(AbstractTrainer):
     @property
     def log_dir(self) -> Path:
         """``<log_dir>/<project>/<group>/<experiment>/logs``."""
-        config = self.config
-        return (Path(self.logging_parameters.log_dir) / config.project / config.group
-                / config.experiment / "logs")
+        return self.config.run_dir(self.logging_parameters.log_dir) / "logs"
 
     @property
     def _logging(self) -> bool:
@@ -164,11 +163,8 @@ def _scalars(result: Mapping[str, Any]) -> dict[str, float]:
     return values
 
 
-class JSONLoggerConfigMixin(ConfigModel):
-    """Adds ``logging_parameters`` for ``JSONLoggerMixin``."""
-
-    logging_parameters: LoggingParameters = Field(default_factory=LoggingParameters)
-    """Logging cadence and location."""
+class JSONLoggerConfigMixin(LoggingConfigMixin):
+    """``logging_parameters`` for ``JSONLoggerMixin``."""
 
 
 class JSONLoggerMixin(LoggerMixin):

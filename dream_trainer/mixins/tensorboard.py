@@ -7,10 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from pydantic import Field
 
-from dream_trainer.configs.base import ConfigModel
-from dream_trainer.configs.logging import LoggingParameters
+from dream_trainer.configs.logging import LoggingConfigMixin
 from dream_trainer.mixins.logging import LoggerMixin
 from dream_trainer.utils.media import (Histogram, ImagesLike, encode_apng, encode_png,
                                        markdown_table, to_uint8_images, to_uint8_video)
@@ -26,11 +24,9 @@ def _summary_writer() -> Any:
     return SummaryWriter
 
 
-class TensorBoardLoggerConfigMixin(ConfigModel):
-    """Adds ``logging_parameters`` for ``TensorBoardLoggerMixin``."""
-
-    logging_parameters: LoggingParameters = Field(default_factory=LoggingParameters)
-    """Logging cadence and location (events go to ``<log_dir>/.../logs/tensorboard``)."""
+class TensorBoardLoggerConfigMixin(LoggingConfigMixin):
+    """``logging_parameters`` for ``TensorBoardLoggerMixin`` (events go to
+    ``<log_dir>/.../logs/tensorboard``)."""
 
 
 class TensorBoardLoggerMixin(LoggerMixin):

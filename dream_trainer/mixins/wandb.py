@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 from pydantic import Field
 
-from dream_trainer.configs.base import ConfigModel
-from dream_trainer.configs.logging import LoggingParameters
+from dream_trainer.configs.logging import LoggingConfigMixin
 from dream_trainer.mixins.logging import LoggerMixin
 from dream_trainer.trainer.phases import runs_on
 from dream_trainer.utils.media import (Histogram, ImagesLike, plain, to_uint8_images,
@@ -46,11 +45,10 @@ def _encode_gif(frames: torch.Tensor, fps: float) -> bytes:
     return buffer.getvalue()
 
 
-class WandBLoggerConfigMixin(ConfigModel):
-    """Adds ``logging_parameters`` and the wandb run settings."""
+class WandBLoggerConfigMixin(LoggingConfigMixin):
+    """Adds ``logging_parameters`` and the wandb run settings (wandb writes under
+    ``<log_dir>/.../logs/wandb``)."""
 
-    logging_parameters: LoggingParameters = Field(default_factory=LoggingParameters)
-    """Logging cadence and location (wandb writes under ``<log_dir>/.../logs/wandb``)."""
     wandb_mode: Literal["online", "offline", "disabled"] = "offline"
     """``offline`` needs no account or network; sync later with ``wandb sync``."""
     wandb_entity: str | None = None

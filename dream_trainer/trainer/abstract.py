@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +39,11 @@ class AbstractTrainerConfig(ConfigModel):
     """Seed for python, numpy and torch on every rank; ``None`` leaves them unseeded."""
     device_parameters: DeviceParameters = Field(default_factory=DeviceParameters)
     """Mesh, precision and device; by default data parallel over every launched rank."""
+
+    def run_dir(self, root: str | Path) -> Path:
+        """``<root>/<project>/<group>/<experiment>``: where this run keeps its files under
+        ``root`` (checkpoints and logs each have their own root)."""
+        return Path(root) / self.project / self.group / self.experiment
 
 
 class AbstractTrainer(TrainerHooks, ABC):
