@@ -24,7 +24,7 @@ from dream_trainer.world.dims import MeshAxis
 
 class ParallelizeModels(AbstractTrainer):
     """The parallelism half of ``SetupMixin``: its hooks, which a trainer overrides for its
-    own models, and the order ``setup()`` applies them in."""
+    own models, and the order ``build_training()`` applies them in."""
 
     @abstractmethod
     def _init_weights(self) -> None:

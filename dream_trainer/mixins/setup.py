@@ -59,9 +59,9 @@ class SetupConfigMixin(ConfigModel):
 class SetupMixin(ParallelizeModels):
     """Builds everything ``fit()`` trains: models, optimizers, schedulers and dataloaders.
 
-    ``configure()`` runs ``configure_models()`` under ``torch.device("meta")``: every
-    ``nn.Module`` it assigns to ``self`` is a model, and none gets storage. ``setup()`` then
-    runs, in this order:
+    ``build_models()`` runs ``configure_models()`` under ``torch.device("meta")``: every
+    ``nn.Module`` it assigns to ``self`` is a model, and none gets storage.
+    ``build_training()`` then runs, in this order:
 
     0. ``apply_pipeline_parallel(pp_mesh)`` when ``pipeline_parallel > 1``: the model is split
        into stages, steps 1-4 run once per stage of this rank (with the model attribute
@@ -196,7 +196,7 @@ class SetupMixin(ParallelizeModels):
                 model.release()
         gc.collect()
 
-    def configure(self) -> None:
+    def build_models(self) -> None:
         """Run ``configure_models()`` on the meta device and record the models it assigned.
 
         Raises:
@@ -226,7 +226,7 @@ class SetupMixin(ParallelizeModels):
                 "create the models there, e.g. `self.model = nn.Linear(4, 2)`"
             )
 
-    def setup(self) -> None:
+    def build_training(self) -> None:
         """Parallelize, materialize and wrap the models; then optimizers, schedulers, data."""
         dims = self.world.dims
         replicate = dims.dp_replicate > 1 and dims.dp_shard == 1
@@ -388,7 +388,7 @@ class SetupMixin(ParallelizeModels):
     @property
     def train_dataloader(self) -> Iterable[Any]:
         if self._train_loader is None:
-            raise RuntimeError("the train dataloader exists only after setup()")
+            raise RuntimeError("the train dataloader exists only after the setup phase")
         return self._train_loader
 
     @property

@@ -76,12 +76,13 @@ class AbstractTrainer(TrainerHooks, ABC):
         """Run the whole lifecycle: launch, configure, setup, train, teardown."""
 
     @abstractmethod
-    def configure(self) -> None:
-        """Create the models (on the meta device, without storage)."""
+    def build_models(self) -> None:
+        """The configure phase: create the models (on the meta device, without storage)."""
 
     @abstractmethod
-    def setup(self) -> None:
-        """Parallelize and materialize models; create optimizers, schedulers and loaders."""
+    def build_training(self) -> None:
+        """The setup phase: parallelize and materialize the models; create the optimizers,
+        schedulers and loaders."""
 
     def end_of_step(self) -> None:
         """After every hook of an optimizer step's last micro-batch has run (callbacks'

@@ -193,12 +193,12 @@ class BaseTrainer(StepAPI, ValidationLoop):
     def _configure(self) -> None:
         self._fire("pre_configure")
         self._configured = True
-        self.configure()
+        self.build_models()
         self._fire("post_configure")
 
     def _setup(self) -> None:
         self._fire("pre_setup")
-        self.setup()
+        self.build_training()
         self._train_steps_per_epoch = self._plan_train_steps()
         self._train_batches = TrainBatches(self.train_dataloader, self._samples_per_batch)
         self._fire("post_setup")

@@ -368,8 +368,8 @@ def test_each_group_reads_its_own_share_of_the_training_data() -> None:
         trainer = FTToy(config)
         trainer.world.launch()
         try:
-            trainer.configure()
-            trainer.setup()
+            trainer.build_models()
+            trainer.build_training()
             shares.append([i for batch in trainer.train_dataloader.batch_sampler
                            for i in batch])
         finally:
