@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("world",),
     ("parallel", "data", "utils"),
     ("trainer",),
-    ("checkpoint", "ft"),
+    ("checkpoint", "weights", "ft"),
     ("mixins",),
     ("callbacks",),
     ("dream",),

@@ -1,6 +1,8 @@
-"""Checkpoint layout, state, and export (used by ``CheckpointMixin``)."""
+"""Training checkpoints: layout, the full state, retention, the run lock (used by
+``CheckpointMixin``). ``export_checkpoint`` lives with the weight formats in
+``dream_trainer.weights`` and is exported here too."""
 
-from dream_trainer.checkpoint.export import export_checkpoint
 from dream_trainer.checkpoint.layout import CheckpointError, CheckpointInfo
+from dream_trainer.weights.export import export_checkpoint
 
 __all__ = ["CheckpointError", "CheckpointInfo", "export_checkpoint"]

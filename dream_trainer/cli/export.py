@@ -60,7 +60,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
     from dream_trainer.checkpoint import CheckpointError, export_checkpoint
-    from dream_trainer.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
+    from dream_trainer.weights.hf import DEFAULT_MAX_SHARD_BYTES
 
     hf_only = [flag for flag, value in (("--max-shard-size", args.max_shard_size),
                                         ("--trainer", args.trainer),

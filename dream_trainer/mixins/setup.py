@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 
-from dream_trainer.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, ExportFormat
+from dream_trainer.weights.hf import DEFAULT_MAX_SHARD_BYTES, ExportFormat
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.data.loaders import prepare_loader
 from dream_trainer.mixins.parallelize import ParallelizeModels
@@ -29,7 +29,7 @@ from dream_trainer.trainer.validation import map_loaders, named_sets
 from dream_trainer.world.dims import MeshAxis
 
 if TYPE_CHECKING:
-    from dream_trainer.checkpoint.pretrained import PretrainedWeights
+    from dream_trainer.weights.pretrained import PretrainedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class SetupMixin(ParallelizeModels):
             RuntimeError: when called by several ranks outside ``fit()``, whose process
                 group is gone (export from a hook such as ``post_fit`` instead).
         """
-        from dream_trainer.checkpoint.hf import export_live
+        from dream_trainer.weights.hf import export_live
 
         if self.world.world_size > 1 and not torch.distributed.is_initialized():
             raise RuntimeError(
@@ -291,7 +291,7 @@ class SetupMixin(ParallelizeModels):
         source = getattr(self.config, "init_weights_from", None)
         if source is None:
             return None
-        from dream_trainer.checkpoint.pretrained import PretrainedWeights
+        from dream_trainer.weights.pretrained import PretrainedWeights
 
         return PretrainedWeights(self.named_models(), source, self.map_pretrained_key,
                                  strict=getattr(self.config, "init_weights_strict", True))

@@ -342,7 +342,7 @@ def test_slice_reader_reads_exactly_the_requested_box(
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.planner import ReadItem
 
-    from dream_trainer.checkpoint.hf_reader import _header, _read_box
+    from dream_trainer.weights.hf_reader import _header, _read_box
 
     full = torch.arange(120, dtype=torch.bfloat16).reshape(6, 5, 4)
     save_file({"other": torch.ones(3), "w": full}, str(tmp_path / "model.safetensors"))

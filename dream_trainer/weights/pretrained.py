@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dream_trainer.checkpoint.hf import KeyMap, check_hf_dir, is_hf_dir, tied_groups
+from dream_trainer.weights.hf import KeyMap, check_hf_dir, is_hf_dir, tied_groups
 from dream_trainer.checkpoint.layout import CheckpointError, is_complete, verify_files
 from dream_trainer.parallel.dtensor import local_tensor
 from dream_trainer.parallel.materialize import any_rank_failed
@@ -169,7 +169,7 @@ def _open(path: Path, model_name: str) -> _Source:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from dream_trainer.checkpoint.hf_reader import SliceReader
+    from dream_trainer.weights.hf_reader import SliceReader
 
     if is_hf_dir(path):
         check_hf_dir(path)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dream_trainer.checkpoint.hf import (DEFAULT_MAX_SHARD_BYTES, ExportFormat, exported_names,
+from dream_trainer.weights.hf import (DEFAULT_MAX_SHARD_BYTES, ExportFormat, exported_names,
                                          plan_shards, replace_weights, shard_file_names,
                                          write_index)
 from dream_trainer.checkpoint.layout import CheckpointError, is_complete, verify_files
