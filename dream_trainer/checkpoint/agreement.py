@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dream_trainer.checkpoint.layout import (CONFIG, METADATA, CheckpointError, CheckpointInfo,
-                                             checksum, data_files, verify_files)
+from dream_trainer.checkpoint.layout import (CONFIG, METADATA, MODEL_PREFIX, CheckpointError,
+                                             CheckpointInfo, checksum, data_files, verify_files)
 from dream_trainer.checkpoint.lock import RunLock
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def check_shapes(path: Path, models: dict[str, dict[str, Any]], metadata: Any) -
         for name, tensor in tensors.items():
             if not isinstance(tensor, torch.Tensor):
                 continue
-            key = f"state.models.{model}.{name}"
+            key = f"{MODEL_PREFIX}{model}.{name}"
             if key not in saved:
                 problems.append(f"{model}.{name} (not in the checkpoint)")
             elif tuple(saved[key].size) != tuple(tensor.shape):

@@ -22,6 +22,9 @@ CONFIG = "config.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _CHUNK = 1 << 22
 
+MODEL_PREFIX = "state.models."
+"""Where a checkpoint's DCP metadata keys model tensors: ``state.models.<model>.<key>``."""
+
 
 @dataclass(frozen=True)
 class CheckpointInfo:

@@ -15,7 +15,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 
-from dream_trainer.weights.hf import DEFAULT_MAX_SHARD_BYTES, ExportFormat
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.data.loaders import prepare_loader
 from dream_trainer.mixins.parallelize import ParallelizeModels
@@ -26,6 +25,7 @@ from dream_trainer.parallel.pipeline import PipelineStages
 from dream_trainer.trainer.phases import runs_on
 from dream_trainer.trainer.schedulers import step_with_metric, takes_metric
 from dream_trainer.trainer.validation import map_loaders, named_sets
+from dream_trainer.weights.hf import DEFAULT_MAX_SHARD_BYTES, ExportFormat
 from dream_trainer.world.dims import MeshAxis
 
 if TYPE_CHECKING:

@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 
+from dream_trainer.checkpoint.layout import (MODEL_PREFIX, CheckpointError, is_complete,
+                                             verify_files)
 from dream_trainer.weights.hf import (DEFAULT_MAX_SHARD_BYTES, ExportFormat, exported_names,
                                          plan_shards, replace_weights, shard_file_names,
                                          write_index)
-from dream_trainer.checkpoint.layout import CheckpointError, is_complete, verify_files
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
@@ -59,7 +60,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
     reader = dcp.FileSystemReader(str(checkpoint))
     metadata = reader.read_metadata()
     verify_files(checkpoint, metadata)
-    models = _model_tensors(metadata)
+    models = model_tensors(metadata)
     if not models:
         raise CheckpointError(f"{checkpoint} holds no model weights")
     written = {}
@@ -77,16 +78,16 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
     return written
 
 
-def _model_tensors(metadata: Any) -> dict[str, dict[str, Any]]:
-    """Model name -> {key: tensor metadata} for every model tensor of the checkpoint."""
+def model_tensors(metadata: Any) -> dict[str, dict[str, Any]]:
+    """Model name -> {key: tensor metadata} for every model tensor of a dream_trainer
+    checkpoint's DCP metadata (its full key is ``MODEL_PREFIX + model + "." + key``)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     models: dict[str, dict[str, Any]] = {}
     for key, entry in metadata.state_dict_metadata.items():
-        parts = key.split(".", 3)
-        if len(parts) == 4 and parts[:2] == ["state", "models"] \
-                and isinstance(entry, TensorStorageMetadata):
-            models.setdefault(parts[2], {})[parts[3]] = entry
+        model, _, name = key.removeprefix(MODEL_PREFIX).partition(".")
+        if key.startswith(MODEL_PREFIX) and name and isinstance(entry, TensorStorageMetadata):
+            models.setdefault(model, {})[name] = entry
     return models
 
 
@@ -118,7 +119,7 @@ def _write_file(reader: Any, model: str, keys: dict[str, str], tensors: dict[str
     with warnings.catch_warnings():
         # Loading in one process is the point here; DCP warns that it assumes so.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({f"state.models.{model}.{name}": tensor for name, tensor in loaded.items()},
+        dcp.load({f"{MODEL_PREFIX}{model}.{name}": tensor for name, tensor in loaded.items()},
                  storage_reader=reader, no_dist=True)
     out = {key: _cast(loaded[name], dtype).contiguous() for key, name in keys.items()}
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -20,10 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dream_trainer.weights.hf import KeyMap, check_hf_dir, is_hf_dir, tied_groups
-from dream_trainer.checkpoint.layout import CheckpointError, is_complete, verify_files
+from dream_trainer.checkpoint.layout import (MODEL_PREFIX, CheckpointError, is_complete,
+                                             verify_files)
 from dream_trainer.parallel.dtensor import local_tensor
 from dream_trainer.parallel.materialize import any_rank_failed
+from dream_trainer.weights.export import model_tensors
+from dream_trainer.weights.hf import KeyMap, check_hf_dir, is_hf_dir, tied_groups
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +169,6 @@ class PretrainedWeights:
 def _open(path: Path, model_name: str) -> _Source:
     """Read the metadata (headers only) of the weights for ``model_name`` under ``path``."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from dream_trainer.weights.hf_reader import SliceReader
 
@@ -187,12 +188,9 @@ def _open(path: Path, model_name: str) -> _Source:
     reader = FileSystemReader(str(path))
     metadata = reader.read_metadata()
     verify_files(path, metadata)
-    by_model: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
-    for key, entry in metadata.state_dict_metadata.items():
-        parts = key.split(".", 3)
-        if len(parts) == 4 and parts[:2] == ["state", "models"] \
-                and isinstance(entry, TensorStorageMetadata):
-            by_model.setdefault(parts[2], {})[parts[3]] = (key, tuple(entry.size))
+    by_model = {model: {key: (f"{MODEL_PREFIX}{model}.{key}", tuple(entry.size))
+                        for key, entry in entries.items()}
+                for model, entries in model_tensors(metadata).items()}
     if model_name in by_model:
         return _Source(path, reader, by_model[model_name])
     if len(by_model) == 1:
