@@ -15,6 +15,7 @@ import torch.distributed as dist
 from dream_trainer.checkpoint.layout import (CONFIG, METADATA, MODEL_PREFIX, CheckpointError,
                                              CheckpointInfo, checksum, data_files, verify_files)
 from dream_trainer.checkpoint.lock import RunLock
+from dream_trainer.checkpoint.trust import safe_reader
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +33,8 @@ def commit(info: CheckpointInfo, rank: int, world_size: int,
            group: dist.ProcessGroup | None) -> None:
     """Checksum every file of a written checkpoint (each rank a share), then let rank 0
     write ``dream_trainer.json`` with the digests, which makes the checkpoint complete."""
-    import torch.distributed.checkpoint as dcp
 
-    metadata = dcp.FileSystemReader(str(info.path)).read_metadata()
+    metadata = safe_reader(str(info.path)).read_metadata()
     files = sorted([*data_files(metadata), METADATA, CONFIG])
     mine = {name: checksum(info.path / name) for name in files[rank::world_size]}
     shares = gather(mine, world_size, group)
@@ -47,10 +47,9 @@ def find_problem(path: Path, rank: int, world_size: int,
                  group: dist.ProcessGroup | None) -> str | None:
     """What is wrong with the checkpoint at ``path`` on any rank (each checks a share of its
     files), or None; every rank gets the same answer."""
-    import torch.distributed.checkpoint as dcp
 
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = safe_reader(str(path)).read_metadata()
         verify_files(path, metadata, rank, world_size)
         problem = None
     except Exception as exc:  # a damaged .metadata raises anything unpickling does

@@ -17,7 +17,7 @@ import copy
 import hashlib
 import io
 import pickle
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ from torch import nn
 
 from dream_trainer.checkpoint.layout import CheckpointError
 from dream_trainer.checkpoint.rng import rng_state
+from dream_trainer.checkpoint.trust import load_item
 from dream_trainer.trainer.phases import call_through
 
 if TYPE_CHECKING:
@@ -102,9 +103,14 @@ def pack(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def unpack(blob: bytes, device: torch.device) -> Any:
-    """The object ``pack`` turned into ``blob``; its tensors land on ``device``."""
-    return torch.load(io.BytesIO(blob), map_location=device, weights_only=False)
+def unpack(blob: bytes, device: torch.device, source: str, trusted: Iterable[str] = ()) -> Any:
+    """The object ``pack`` turned into ``blob``, unpickled through the allowlist; its tensors
+    land on ``device``.
+
+    Raises:
+        CheckpointError: naming a refused type and ``source``.
+    """
+    return load_item(blob, source, trusted, map_location=device)
 
 
 def digest(value: Any) -> str:
@@ -172,18 +178,28 @@ class TrainingState:
             exist (in place, sharded), else into new tensors of the saved size.
         flat_optimizers: Save (or load) optimizer states in the flattened form; by default
             when the trainer runs a pipeline.
+        source: The checkpoint loaded from, named when one of its values is refused.
+        trusted: Globals its packed values may unpickle besides the allowlist (see
+            ``checkpoint.trust``).
     """
 
     def __init__(self, trainer: AbstractTrainer, weights_only: bool = False,
                  saved: Mapping[str, Any] | None = None,
-                 flat_optimizers: bool | None = None) -> None:
+                 flat_optimizers: bool | None = None, source: str = "",
+                 trusted: Iterable[str] = ()) -> None:
         self.trainer = trainer
+        self.source = source
+        self.trusted = tuple(trusted)
         self.weights_only = weights_only
         self.saved = saved
         self.flat_optimizers = trainer.world.dims.pp > 1 if flat_optimizers is None \
             else flat_optimizers
         self.loaded_rng: dict[str, Any] | None = None
         self.resumed_mid_epoch = False
+
+    def _unpack(self, blob: bytes, key: str) -> Any:
+        return unpack(blob, self.trainer.world.device,
+                      f"checkpoint {self.source} (item state.{key})", self.trusted)
 
     # DCP's state-dict helpers are imported where used: the package takes about a second to
     # import. DCP recognizes this class as its Stateful protocol by its two methods.
@@ -256,8 +272,7 @@ class TrainingState:
         for name, optimizer in trainer.named_optimizers().items():
             set_optimizer_state_dict(optimizer_owner(trainer, name, optimizer), optimizer,
                                      state_dict["optimizers"][name], options=options)
-        device = trainer.world.device
-        shared = join_tensors(unpack(state_dict[SHARED], device),
+        shared = join_tensors(self._unpack(state_dict[SHARED], SHARED),
                               state_dict.get(TENSORS, {}))
         for name, scheduler in trainer.named_schedulers().items():
             if name not in shared["schedulers"]:
@@ -265,7 +280,7 @@ class TrainingState:
                                       f"(it has {sorted(shared['schedulers'])})")
             scheduler.load_state_dict(shared["schedulers"][name])
         trainer.load_state_dict(state_dict["trainer"])
-        positions = {int(key.removeprefix(LOADER)): unpack(blob, device)
+        positions = {int(key.removeprefix(LOADER)): self._unpack(blob, key)
                      for key, blob in state_dict.items() if key.startswith(LOADER)}
         try:
             trainer.load_data_state_dict(positions, int(state_dict["trainer"]["dp_size"]))
@@ -274,7 +289,7 @@ class TrainingState:
         call_through(trainer, "load_extra_state_dict", shared["extra"])
         self.resumed_mid_epoch = int(state_dict["trainer"].get("batch_in_epoch", 0)) > 0
         own = state_dict.get(rank_key(trainer.world.rank))
-        mine = unpack(own, device) if own is not None else None
+        mine = self._unpack(own, rank_key(trainer.world.rank)) if own is not None else None
         self.loaded_rng = None if mine is None else mine["rng"]
         saved_world = int(shared["world_size"])
         if saved_world == trainer.world.world_size and mine is not None:

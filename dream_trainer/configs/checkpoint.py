@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import PositiveInt, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from dream_trainer.configs.base import ConfigModel
+
+_GLOBAL_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 
 
 class CheckpointParameters(ConfigModel):
@@ -42,6 +45,20 @@ class CheckpointParameters(ConfigModel):
     run): optimizers, schedulers, counters and data position start fresh."""
     async_save: bool = False
     """Write periodic checkpoints in the background (the final one is always synchronous)."""
+    trusted_globals: list[str] = Field(default_factory=list)
+    """Types (``"package.module.ClassName"``) that checkpoints this run reads may unpickle
+    besides the allowlist (tensors, builtin containers and scalars, DCP's metadata): your own
+    class kept in ``extra_state_dict`` or a callback's state. Reading never runs code of any
+    other type."""
+
+    @field_validator("trusted_globals")
+    @classmethod
+    def _check_global_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not _GLOBAL_NAME.match(name):
+                raise ValueError(f"{name!r} is not a global's full name: write it as "
+                                 "'package.module.ClassName'")
+        return names
 
     @model_validator(mode="after")
     def _check(self) -> CheckpointParameters:

@@ -25,6 +25,7 @@ from dream_trainer.checkpoint.lock import RunLock
 from dream_trainer.checkpoint.retention import rotate
 from dream_trainer.checkpoint.rng import set_rng_state
 from dream_trainer.checkpoint.state import SHARED, TrainingState, check_shared, digest
+from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.checkpoint import CheckpointParameters
 from dream_trainer.parallel.dtensor import local_tensor
@@ -355,7 +356,8 @@ class CheckpointMixin(AbstractTrainer):
         """Load a checkpoint already verified by ``_verify``."""
         from torch.distributed.checkpoint.api import CheckpointException
 
-        reader = _dcp().FileSystemReader(str(path))
+        trusted = self.checkpoint_parameters.trusted_globals
+        reader = safe_reader(str(path), trusted)
         metadata = reader.read_metadata()
         saved = metadata.state_dict_metadata
         if not weights_only and f"state.{SHARED}" not in saved:
@@ -369,7 +371,8 @@ class CheckpointMixin(AbstractTrainer):
         nested = any(re.fullmatch(r"state\.optimizers\.[^.]+\.param_groups\.\d+\.params", key)
                      for key in saved)
         flat = not nested and any(key.startswith("state.optimizers.") for key in saved)
-        state = TrainingState(self, weights_only=weights_only, saved=saved, flat_optimizers=flat)
+        state = TrainingState(self, weights_only=weights_only, saved=saved, flat_optimizers=flat,
+                              source=str(path), trusted=trusted)
         check_shapes(path, state.state_dict()["models"], metadata)
         try:
             _dcp().load({"state": state}, storage_reader=reader,

@@ -13,6 +13,7 @@ import torch
 
 from dream_trainer.checkpoint.layout import (MODEL_PREFIX, CheckpointError, is_complete,
                                              verify_files)
+from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.weights.hf import (DEFAULT_MAX_SHARD_BYTES, ExportFormat, exported_names,
                                          plan_shards, replace_weights, shard_file_names,
                                          write_index)
@@ -49,7 +50,6 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
         ValueError: for an unknown format, or two keys mapped to the same name.
     """
     # Imported here: torch.distributed.checkpoint takes about a second to import.
-    import torch.distributed.checkpoint as dcp
 
     if format not in ("hf", "safetensors"):
         raise ValueError(f"format={format!r}: expected 'safetensors' (one file per model) or "
@@ -57,7 +57,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if not is_complete(checkpoint):
         raise CheckpointError(f"{checkpoint} is not a complete dream_trainer checkpoint")
-    reader = dcp.FileSystemReader(str(checkpoint))
+    reader = safe_reader(str(checkpoint))
     metadata = reader.read_metadata()
     verify_files(checkpoint, metadata)
     models = model_tensors(metadata)

@@ -22,6 +22,7 @@ from torch import nn
 
 from dream_trainer.checkpoint.layout import (MODEL_PREFIX, CheckpointError, is_complete,
                                              verify_files)
+from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.parallel.dtensor import local_tensor
 from dream_trainer.parallel.materialize import any_rank_failed
 from dream_trainer.weights.export import model_tensors
@@ -168,7 +169,6 @@ class PretrainedWeights:
 
 def _open(path: Path, model_name: str) -> _Source:
     """Read the metadata (headers only) of the weights for ``model_name`` under ``path``."""
-    from torch.distributed.checkpoint import FileSystemReader
 
     from dream_trainer.weights.hf_reader import SliceReader
 
@@ -185,7 +185,7 @@ def _open(path: Path, model_name: str) -> _Source:
             "(model.safetensors, or shards with model.safetensors.index.json) nor a complete "
             "dream_trainer checkpoint (a step_<N> directory with .metadata)"
             + ("" if path.exists() else ": it does not exist"))
-    reader = FileSystemReader(str(path))
+    reader = safe_reader(str(path))
     metadata = reader.read_metadata()
     verify_files(path, metadata)
     by_model = {model: {key: (f"{MODEL_PREFIX}{model}.{key}", tuple(entry.size))
