@@ -43,7 +43,8 @@ _OWN = frozenset({"dream_trainer.checkpoint.state.TensorRef"})
 """What dream_trainer itself packs besides plain types: where a tensor stood in a packed value
 (a frozen dataclass holding a string)."""
 
-_TRUSTED: set[str] = set()
+_TRUSTED: dict[str, Any] = {}
+"""What ``trust_globals`` allowed, by full name."""
 
 
 def trust_globals(*objects: type | Any) -> None:
@@ -60,21 +61,29 @@ def trust_globals(*objects: type | Any) -> None:
         if not (module and name) or "<locals>" in name:
             raise TypeError(f"trust_globals() takes importable classes or functions, got "
                             f"{obj!r}: define it at a module's top level")
-        _TRUSTED.add(f"{module}.{name}")
+        _TRUSTED[f"{module}.{name}"] = obj
 
 
 def _resolve(name: str) -> Any:
-    """The object a ``module.QualName`` names (the longest importable module prefix)."""
+    """The object a ``module.QualName`` names (the longest importable module prefix).
+
+    Raises:
+        CheckpointError: if it cannot be imported.
+    """
     parts = name.split(".")
     for split in range(len(parts) - 1, 0, -1):
         try:
             obj: Any = importlib.import_module(".".join(parts[:split]))
         except ImportError:
             continue
-        for attribute in parts[split:]:
-            obj = getattr(obj, attribute)
+        try:
+            for attribute in parts[split:]:
+                obj = getattr(obj, attribute)
+        except AttributeError:
+            break
         return obj
-    raise ImportError(f"cannot import {name}")
+    raise CheckpointError(f"trusted_globals names {name}, which cannot be imported: check the "
+                          "module path and the class name")
 
 
 def _refusal(found: str, source: str) -> CheckpointError:
@@ -107,7 +116,7 @@ def load_metadata(data: bytes, source: str, trusted: Iterable[str] = ()) -> Any:
         CheckpointError: naming the first global outside the allowlist, and ``source``.
     """
     try:
-        return _MetadataUnpickler(data, source, frozenset(trusted) | _TRUSTED).load()
+        return _MetadataUnpickler(data, source, frozenset(trusted) | _TRUSTED.keys()).load()
     except CheckpointError:
         raise
     except Exception as exc:
@@ -123,7 +132,8 @@ def load_item(data: io.BytesIO | bytes, source: str, trusted: Iterable[str] = ()
         CheckpointError: naming the global it refused, and ``source``.
     """
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
-    allowed = [_resolve(name) for name in sorted(frozenset(trusted) | _TRUSTED | _OWN)]
+    allowed = [_resolve(name) for name in sorted(frozenset(trusted) | _OWN)]
+    allowed += _TRUSTED.values()
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(stream, map_location=map_location, weights_only=True)

@@ -159,8 +159,8 @@ class AbstractTrainer(TrainerHooks, ABC):
         """State of the trainer or its mixins that checkpoints must keep (a logger's run id,
         a counter), the same on every rank: saved once, restored to every rank.
 
-        Any picklable Python objects and tensors, in any structure; it comes back exactly as
-        saved. A mixin that overrides this merges its entries into
+        Tensors, builtin containers and scalars, in any structure (a class of your own once
+        listed in ``checkpoint_parameters.trusted_globals``); it comes back exactly as saved. A mixin that overrides this merges its entries into
         ``super().extra_state_dict()``.
         """
         return {}

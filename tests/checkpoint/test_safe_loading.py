@@ -1,0 +1,208 @@
+"""A shared checkpoint cannot run code: crafted pickles in .metadata or in a non-tensor item are
+refused on every path that reads a checkpoint, and a user's own type loads only once trusted."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import operator
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dream_trainer.checkpoint import CheckpointError
+from dream_trainer.checkpoint.layout import INFO, METADATA, checksum
+from dream_trainer.cli import main
+from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config
+
+ITEM = "state.trainer.global_step"  # a non-tensor item every checkpoint has, read on resume
+
+
+class _Payload:
+    """Unpickling it runs a shell command (the attack)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return os.system, (f"touch {self.marker}",)
+
+
+class _Disguised:
+    """Unpickles to ``value`` after running the payload, so the load still looks normal."""
+
+    def __init__(self, marker: Path, value: Any) -> None:
+        self.marker, self.value = marker, value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return operator.getitem, ((_Payload(self.marker), self.value), 1)
+
+
+def _rechecksum(checkpoint: Path) -> None:
+    """Update dream_trainer.json's checksums as an attacker would, so that only the pickle
+    allowlist stands between the file and the payload."""
+    info = json.loads((checkpoint / INFO).read_text())
+    info["files"] = {name: checksum(checkpoint / name) for name in info["files"]}
+    (checkpoint / INFO).write_text(json.dumps(info))
+
+
+def poison_metadata(checkpoint: Path, marker: Path) -> None:
+    metadata = pickle.loads((checkpoint / METADATA).read_bytes())  # our own file: trusted
+    (checkpoint / METADATA).write_bytes(pickle.dumps(_Disguised(marker, metadata)))
+    _rechecksum(checkpoint)
+
+
+def poison_item(checkpoint: Path, marker: Path, fqn: str = ITEM) -> None:
+    """Replace one non-tensor item's bytes in its data file, shifting what follows."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    metadata = pickle.loads((checkpoint / METADATA).read_bytes())
+    index = MetadataIndex(fqn)
+    info = metadata.storage_data[index]
+    data = (checkpoint / info.relative_path).read_bytes()
+    value = torch.load(io.BytesIO(data[info.offset:info.offset + info.length]),
+                       weights_only=False)
+    crafted = io.BytesIO()
+    torch.save(_Disguised(marker, value), crafted)
+    blob = crafted.getvalue()
+    shift = len(blob) - info.length
+    (checkpoint / info.relative_path).write_bytes(
+        data[:info.offset] + blob + data[info.offset + info.length:])
+    for key, other in list(metadata.storage_data.items()):
+        if other.relative_path == info.relative_path and other.offset > info.offset:
+            metadata.storage_data[key] = dataclasses.replace(other, offset=other.offset + shift)
+    metadata.storage_data[index] = dataclasses.replace(info, length=len(blob))
+    (checkpoint / METADATA).write_bytes(pickle.dumps(metadata))
+    _rechecksum(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A normal checkpoint of a one-epoch run (step_10)."""
+    root = tmp_path_factory.mktemp("clean")
+    config = checkpointed_config(root, resume=None, every_n_steps=None)
+    CheckpointedTrainer(config.model_copy(update={
+        "training_parameters": config.training_parameters.model_copy(update={"n_epochs": 1})
+    })).fit()
+    return root / "ckpt/tests/run/checkpoints/step_10"
+
+
+@pytest.fixture(params=["metadata", "item"])
+def attack(request: pytest.FixtureRequest, clean: Path,
+           tmp_path: Path) -> tuple[str, Path, Path]:
+    """(kind, poisoned checkpoint, marker file the payload would create)."""
+    checkpoint = tmp_path / "shared" / "step_10"
+    shutil.copytree(clean, checkpoint)
+    marker = tmp_path / "pwned"
+    (poison_metadata if request.param == "metadata" else poison_item)(checkpoint, marker)
+    return request.param, checkpoint, marker
+
+
+def refused_global(kind: str) -> str:
+    """The refusal, naming the file (or the item) and the first global the pickle needs."""
+    where = r"\.metadata" if kind == "metadata" else rf"\(item {ITEM}\)"
+    return rf"{where} would unpickle _operator\.getitem, which is not an allowed type"
+
+
+def test_the_attack_runs_code_when_read_without_the_allowlist(
+        attack: tuple[str, Path, Path]) -> None:
+    # The crafted files are a real attack: plain unpickling runs the payload and still
+    # returns a usable value.
+    kind, checkpoint, marker = attack
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    metadata = pickle.loads((checkpoint / METADATA).read_bytes())
+    assert isinstance(metadata, Metadata)
+    if kind == "item":
+        info = metadata.storage_data[MetadataIndex(ITEM)]
+        data = (checkpoint / info.relative_path).read_bytes()
+        assert torch.load(io.BytesIO(data[info.offset:info.offset + info.length]),
+                          weights_only=False) == 10
+    assert marker.exists()
+
+
+def test_resume_and_load_checkpoint_refuse_it(attack: tuple[str, Path, Path],
+                                              tmp_path: Path) -> None:
+    kind, checkpoint, marker = attack
+    config = checkpointed_config(tmp_path / "resume", resume=checkpoint)
+    with pytest.raises(CheckpointError, match=refused_global(kind)):
+        CheckpointedTrainer(config).fit()
+    assert not marker.exists()
+
+    trainer = CheckpointedTrainer(checkpointed_config(tmp_path / "load", resume=None))
+    try:
+        trainer.set_up()
+        with pytest.raises(CheckpointError, match=refused_global(kind)):
+            trainer.load_checkpoint(checkpoint)
+    finally:
+        trainer.teardown()
+        trainer.world.shutdown()
+    assert not marker.exists()
+
+
+def test_init_weights_from_and_export_refuse_it_or_never_read_it(
+        attack: tuple[str, Path, Path], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Both read the metadata and the model tensors only: a poisoned .metadata is refused; a
+    # poisoned non-tensor item is never unpickled, and the weights load.
+    kind, checkpoint, marker = attack
+    config = checkpointed_config(tmp_path / "init", resume=None)
+    trainer = CheckpointedTrainer(config.model_copy(update={"init_weights_from": checkpoint}))
+    if kind == "metadata":
+        with pytest.raises(CheckpointError, match=refused_global(kind)):
+            trainer.fit()
+    else:
+        trainer.fit()
+    assert not marker.exists()
+
+    code = main(["export", str(checkpoint), str(tmp_path / "exported")])
+    if kind == "metadata":
+        assert code == 1
+        assert "would unpickle _operator.getitem" in capsys.readouterr().err
+    else:
+        assert code == 0 and (tmp_path / "exported" / "model.safetensors").exists()
+    assert not marker.exists()
+
+
+class Budget:
+    """A user's own type kept in checkpointed state."""
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+
+
+class Budgeted(CheckpointedTrainer):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.budget = Budget(7)
+
+    def extra_state_dict(self) -> dict[str, Any]:
+        return {**super().extra_state_dict(), "budget": self.budget}
+
+    def load_extra_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_extra_state_dict(state_dict)
+        self.budget = state_dict["budget"]
+
+
+def test_a_user_type_in_state_loads_only_once_trusted(tmp_path: Path) -> None:
+    first = checkpointed_config(tmp_path, every_n_steps=None)
+    one_epoch = first.training_parameters.model_copy(update={"n_epochs": 1})
+    trainer = Budgeted(first.model_copy(update={"training_parameters": one_epoch}))
+    trainer.budget.left = 3
+    trainer.fit()
+
+    name = f"{__name__}.Budget"
+    with pytest.raises(CheckpointError, match=f"would unpickle {name}, which is not an allowed "
+                                              f"type.*trusted_globals=\\['{name}'\\]"):
+        Budgeted(first).fit()  # resume="latest" finds step_10
+
+    trusted = first.checkpoint_parameters.model_copy(update={"trusted_globals": [name]})
+    resumed = Budgeted(first.model_copy(update={"checkpoint_parameters": trusted}))
+    resumed.fit()
+    assert resumed.budget.left == 3 and resumed.global_step == 30
