@@ -54,8 +54,10 @@ class ProgressBar(RankZeroCallback):
             loop is not held up: each update reads the loss from the device, a host sync.
         refresh_seconds: With ``refresh_every_n_steps=None``, the least time between updates.
         smoothing: Weight of the newest optimizer step in the exponential moving averages of
-            the loss (the mean of ``result["loss"]`` over the step's micro-batches) and of
-            the step time that throughput and ETA derive from.
+            the loss and of the step time that throughput and ETA derive from. The loss is
+            the logged one (``BaseTrainer.reduce_step_result``: over the step's micro-batches
+            and data-parallel ranks, item-weighted) on the steps a logger logs; without a
+            logger, the mean of rank 0's ``result["loss"]`` over the step's micro-batches.
         stream: Where to write; ``sys.stdout`` (looked up when writing) by default.
 
     Raises:
@@ -142,7 +144,15 @@ class ProgressBar(RankZeroCallback):
             self._window_batches += 1
         if self.trainer.is_accumulating_gradients:
             return
-        if self._window_loss is not None:
+        reduced = self.trainer.reduced_step_result
+        if reduced is not None:
+            # A logger reduces the steps it logs: the bar follows those values, the whole
+            # step's over micro-batches and ranks, and not rank 0's alone in between.
+            if reduced[0] == self.trainer.global_step and "loss" in reduced[1]:
+                step_loss = torch.tensor(reduced[1]["loss"])
+                self._loss_ema = (step_loss if self._loss_ema is None
+                                  else torch.lerp(self._loss_ema, step_loss, self.smoothing))
+        elif self._window_loss is not None:
             step_loss = self._window_loss / self._window_batches
             self._loss_ema = (step_loss if self._loss_ema is None
                               else torch.lerp(self._loss_ema, step_loss, self.smoothing))

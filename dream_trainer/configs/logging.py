@@ -15,7 +15,11 @@ class LoggingParameters(ConfigModel):
     enabled: bool = True
     """Log at all (rank 0 only, always)."""
     log_every_n_steps: PositiveInt = 10
-    """Log training step results every N optimizer steps (a host sync when logging)."""
+    """Log training step results every N optimizer steps (a host sync when logging). A logged
+    value is the whole step's: averaged over its micro-batches and data-parallel ranks."""
+    unreduced_keys: list[str] = Field(default_factory=list)
+    """Result keys logged as they are on rank 0 for the step's last micro-batch, not averaged
+    over the step: a per-rank diagnostic, say."""
     log_dir: Path = Path("outputs")
     """Logs go to ``<log_dir>/<project>/<group>/<experiment>/logs/``."""
     histogram_bins: PositiveInt = 64

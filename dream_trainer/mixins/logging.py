@@ -122,10 +122,17 @@ class LoggerMixin(AbstractTrainer):
 
     @runs_on("post_train_batch", after_bases=True)
     def _log_train_step(self, result: dict[str, Any], batch_idx: int) -> None:
-        if (not self._logging or self.is_accumulating_gradients
-                or self.global_step % self.logging_parameters.log_every_n_steps):
+        params = self.logging_parameters
+        if (not params.enabled or self.is_accumulating_gradients
+                or self.global_step % params.log_every_n_steps):
             return
-        values = _scalars(result)
+        # On every rank: the step's value is reduced over the ranks (a collective) on the
+        # steps that are logged, and only those.
+        values = self.reduce_step_result()
+        if not self._logging:
+            return
+        local = _scalars(result)
+        values.update({key: local[key] for key in params.unreduced_keys if key in local})
         values["trainer/global_step"] = float(self.global_step)
         values["trainer/epoch"] = float(self.current_epoch)
         self.log_dict(values, self.global_step)

@@ -145,6 +145,11 @@ class AbstractTrainer(TrainerHooks, ABC):
                        max_batches: int | None = None) -> dict[str, float]:
         """Run one validation pass and return its averaged results."""
 
+    @abstractmethod
+    def reduce_step_result(self) -> dict[str, float]:
+        """The current optimizer step's results over its micro-batches and data-parallel
+        ranks (a collective; see ``BaseTrainer``)."""
+
     # -- state -----------------------------------------------------------------------------
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:

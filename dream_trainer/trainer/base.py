@@ -102,6 +102,10 @@ class BaseTrainer(StepAPI, ValidationLoop):
         self._resharded = False
         self._train_batches: TrainBatches | None = None
         self._configured = False
+        self._step_results = ResultAverager(self.world.device)
+        self.reduced_step_result: tuple[int, dict[str, float]] | None = None
+        """``(global_step, values)`` of the latest ``reduce_step_result()``, for readers on one
+        rank (the progress bar); None before the first."""
         super().__init__(*args, **kwargs)
         self.callbacks.attach(self)
 
@@ -316,6 +320,7 @@ class BaseTrainer(StepAPI, ValidationLoop):
         self._batch_idx = batch_idx
         if batch_idx % self.training_parameters.gradient_accumulation_steps == 0:
             self.item_weighting.start_window()
+            self._step_results = ResultAverager(self.world.device)
         self.item_weighting.start_micro_batch()
         if self.training_parameters.gradient_accumulation_steps > 1:
             sync = not self.is_accumulating_gradients
@@ -330,7 +335,9 @@ class BaseTrainer(StepAPI, ValidationLoop):
         if not self.is_accumulating_gradients:
             self.precision.update()
             self.global_step += 1
-        averager.update(result, self._result_weight(result, batch))
+        weight = self._result_weight(result, batch)
+        averager.update(result, weight)
+        self._step_results.update(result, weight)
         self._fire("post_train_batch", result, batch_idx)
 
     def run_optimizer_step(self, batches: Iterable[Any]) -> None:
@@ -362,6 +369,22 @@ class BaseTrainer(StepAPI, ValidationLoop):
                 self._train_batch(batch, batch_idx, averager)
         finally:
             self._set_train_mode(False)
+
+    def reduce_step_result(self) -> dict[str, float]:
+        """The current optimizer step's training results: every scalar of ``training_step``'s
+        result, averaged over the step's micro-batches and data-parallel ranks, each weighted
+        as in the epoch means (its ``num_items``, the items it gave ``backward``, else its
+        batch size); ``num_items`` itself is summed. What one process computes on the whole
+        global batch.
+
+        A collective (two all-reduces and a host sync): call it on every rank at the same
+        step, after the step's last micro-batch. Repeated calls in one step reuse the first's
+        values, which are kept in ``reduced_step_result``. Loggers call it on the steps they
+        log, so other steps cost nothing but a list append per micro-batch.
+        """
+        if self.reduced_step_result is None or self.reduced_step_result[0] != self.global_step:
+            self.reduced_step_result = (self.global_step, self._step_results.compute())
+        return dict(self.reduced_step_result[1])
 
     def _after_optimizer_step(self) -> bool:
         """Run what follows an optimizer step; return True to end the epoch early."""
