@@ -152,7 +152,8 @@ def _data(trainer: BaseTrainer, steps: int) -> str:
         length = params.val_steps_per_epoch
     val = ("every batch (the loader has no len)" if length is None else
            _count(min(length, params.val_steps_per_epoch or length), "batch", "batches"))
-    return f"{train}\nval: {val} of {params.val_batch_size} per rank per pass"
+    size = getattr(loader, "batch_size", None) or params.val_batch_size
+    return f"{train}\nval: {val} of {size} per rank per pass"
 
 
 def _length(loader: Iterable[Any]) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 from pydantic import NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
@@ -18,7 +17,9 @@ class TrainingParameters(ConfigModel):
     train_batch_size: PositiveInt
     """Micro-batch size per rank."""
     val_batch_size: PositiveInt | None = None
-    """Validation batch size per rank; ``None`` uses ``train_batch_size``."""
+    """Validation batch size per rank. ``None`` (not given): each validation loader keeps its
+    own batch size, and the field reads as ``train_batch_size`` for code that builds a loader
+    from it. Given, every validation loader must have it."""
     gradient_accumulation_steps: PositiveInt = 1
     """Micro-batches accumulated into one optimizer step."""
     train_steps_per_epoch: PositiveInt | None = None
@@ -41,10 +42,16 @@ class TrainingParameters(ConfigModel):
                              "(or give n_epochs a number)")
         return self
 
-    @model_validator(mode="before")
-    @classmethod
-    def _default_val_batch_size(cls, data: Any) -> Any:
-        # Resolved at construction so the stored config states the size actually used.
-        if isinstance(data, dict) and data.get("val_batch_size") is None:
-            return {**data, "val_batch_size": data.get("train_batch_size")}
-        return data
+    @model_validator(mode="after")
+    def _default_val_batch_size(self) -> TrainingParameters:
+        # Not given: it reads as train_batch_size (loaders built from it keep working) but
+        # stays out of model_fields_set, so that each validation loader keeps its own size.
+        if self.val_batch_size is None:
+            object.__setattr__(self, "val_batch_size", self.train_batch_size)
+        return self
+
+    @property
+    def val_batch_size_set(self) -> bool:
+        """Whether ``val_batch_size`` was given. If not, it reads as ``train_batch_size`` and
+        every validation loader may have a batch size of its own."""
+        return "val_batch_size" in self.model_fields_set

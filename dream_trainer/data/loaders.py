@@ -43,8 +43,10 @@ def prepare_loader(loader: Iterable[Any] | None, num_replicas: int, rank: int, s
     if isinstance(sampler, ResumableSampler) or (distributed and not validation) \
             or isinstance(loader.batch_sampler, ValidationBatches):
         return loader  # split already
-    custom_batches = loader.batch_sampler is not None \
-        and type(loader.batch_sampler) is not BatchSampler
+    # A batch_sampler given to the DataLoader (batch_size is then None) is the user's own
+    # batching, even a plain BatchSampler: it is left as it is.
+    custom_batches = loader.batch_sampler is not None and (
+        type(loader.batch_sampler) is not BatchSampler or loader.batch_size is None)
     plain = (RandomSampler, SequentialSampler, DistributedSampler) if validation \
         else (RandomSampler, SequentialSampler)
     if custom_batches or type(sampler) not in plain:

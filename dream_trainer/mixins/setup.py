@@ -364,8 +364,11 @@ class SetupMixin(ParallelizeModels):
         params = self.config.training_parameters
         _check_batch_size(train, "train", "train_batch_size", params.train_batch_size)
         for name, loader in named_sets(val).items():
+            # Only a val_batch_size that was given binds the loaders: by default each
+            # validation set keeps its loader's own batch size.
             _check_batch_size(loader, "validation" if name is None else f"validation {name!r}",
-                              "val_batch_size", params.val_batch_size)
+                              "val_batch_size",
+                              params.val_batch_size if params.val_batch_size_set else None)
         seed = self.config.seed if self.config.seed is not None else 0
         world = self.world
         # Replica groups (fault tolerance) each read their own share of the training data.

@@ -48,7 +48,10 @@ class BaseTrainerConfig(AbstractTrainerConfig):
         if params.pipeline_parallel in (1, "auto"):
             return self
         _, microbatches = pipeline_layout(params, params.pipeline_parallel)
-        for field in ("train_batch_size", "val_batch_size"):
+        # An unset val_batch_size means each loader's own size: checked on its first batch.
+        fields = ("train_batch_size", "val_batch_size") \
+            if self.training_parameters.val_batch_size_set else ("train_batch_size",)
+        for field in fields:
             size = getattr(self.training_parameters, field)
             if size % microbatches:
                 raise ValueError(
