@@ -223,6 +223,11 @@ def _publish(staging: Path, target: Path, count: int, model: nn.Module | None) -
     root = unwrap_ddp(model)
     if is_hf_model(root):
         root.config.to_json_file(str(staging / CONFIG))  # type: ignore[operator,union-attr]
+        # What save_pretrained writes beside it: the generation defaults of a model that
+        # can generate (a causal LM), which from_pretrained reads for generate().
+        generation = getattr(root, "generation_config", None)
+        if generation is not None and root.can_generate():  # type: ignore[operator]
+            generation.save_pretrained(str(staging))
     replace_weights(staging, target)
 
 

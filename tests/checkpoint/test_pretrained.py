@@ -112,7 +112,11 @@ def test_tied_gpt2_round_trips_and_stays_tied(gpt2: tuple[Path, nn.Module],
     written = trainer.export_weights(tmp_path / "out")
     assert written == {"model": tmp_path / "out"}
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "config.json", "model.safetensors"]
+        "config.json", "generation_config.json", "model.safetensors"]
+    # The generation defaults are the ones save_pretrained writes for the same model.
+    model.save_pretrained(tmp_path / "reference")
+    assert json.loads((tmp_path / "out/generation_config.json").read_text()) == json.loads(
+        (tmp_path / "reference/generation_config.json").read_text())
     with safe_open(str(tmp_path / "out/model.safetensors"), "pt") as f:
         keys = set(f.keys())
     # The tied head is written once, under the embedding's key, as save_pretrained does.
