@@ -218,8 +218,8 @@ def test_finetune_hf_starts_from_the_pretrained_weights_and_exports_what_it_trai
     assert step == 15 and abs(start - 5.55) < 0.3  # the stand-in's weights are random
     assert end < start - 1.0, first
     assert float(re.search(r"logits differ by at most ([\d.e+-]+)", first).group(1)) <= 1e-5
-    assert {p.name for p in (outputs / "exported").iterdir()} == {"config.json",
-                                                                  "model.safetensors"}
+    assert {p.name for p in (outputs / "exported").iterdir()} == {
+        "config.json", "generation_config.json", "model.safetensors"}
     # Starting from the export continues exactly where the first run ended: the
     # validation before any step sees the fine-tuned model, not a fresh one.
     second = run("--init_weights_from", str(outputs / "exported"),
