@@ -25,6 +25,7 @@ SNAPSHOT = {
                              "WandBLoggerMixin"],
     "dream_trainer.checkpoint": ["CheckpointError", "CheckpointInfo", "export_checkpoint",
                                  "trust_globals"],
+    "dream_trainer.optim": ["warmup_decay_schedule", "weight_decay_groups"],
     "dream_trainer.parallel": ["FullTensorInit", "PipelineStages", "clip_grad_norm",
                                "find_blocks", "split_model", "stage_ids"],
     "dream_trainer.data": ["ResumableSampler", "ValidationBatches"],

@@ -12,29 +12,13 @@ import torch
 from typing_extensions import override
 
 from dream_trainer.trainer.callback import RankZeroCallback
+from dream_trainer.trainer.schedulers import planned_optimizer_steps
 from dream_trainer.utils.memory import GIB, CudaPeakWindow, process_rss_bytes
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
-    from dream_trainer.configs.training import TrainingParameters
     from dream_trainer.trainer.base import BaseTrainer
-
-
-def planned_optimizer_steps(params: TrainingParameters, steps_per_epoch: int) -> int:
-    """Optimizer steps ``fit()`` runs in all: every epoch's, cut at ``max_steps``.
-
-    Args:
-        params: The run's training parameters.
-        steps_per_epoch: Optimizer steps per epoch, as the trainer planned them.
-
-    Returns:
-        The planned number of optimizer steps over the whole run.
-    """
-    if params.n_epochs is None:  # validated: max_steps is set
-        return int(params.max_steps)  # type: ignore[arg-type]
-    total = params.n_epochs * steps_per_epoch
-    return total if params.max_steps is None else min(total, params.max_steps)
 
 
 class ProgressBar(RankZeroCallback):

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any, TextIO
 from torch import nn
 from typing_extensions import override
 
-from dream_trainer.callbacks.progress_bar import planned_optimizer_steps
 from dream_trainer.parallel.dtensor import local_tensor
 from dream_trainer.trainer.callback import RankZeroCallback
+from dream_trainer.trainer.schedulers import planned_optimizer_steps
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -23,6 +23,7 @@ from dream_trainer.trainer.callback_collection import CallbackCollection
 from dream_trainer.trainer.item_weighting import ItemWeighting
 from dream_trainer.trainer.phases import (CLOSING_PHASES, call_through, check_config_mixins,
                                           run_phase)
+from dream_trainer.trainer.schedulers import planned_optimizer_steps
 from dream_trainer.trainer.step_api import StepAPI
 from dream_trainer.trainer.validation import ValidationLoop, check_result, stop_is_an_error
 from dream_trainer.utils.averaging import ResultAverager
@@ -309,6 +310,22 @@ class BaseTrainer(StepAPI, ValidationLoop):
         """Samples in one micro-batch over every rank that reads training data (those of
         every replica group under fault tolerance): the unit of the data position."""
         return self.training_parameters.train_batch_size * self.world.data_shards
+
+    @property
+    def total_train_steps(self) -> int:
+        """Optimizer steps ``fit()`` runs in all: every epoch's, cut at ``max_steps`` (known
+        once the setup phase planned the steps per epoch: read it from ``post_setup`` on, or
+        lazily, as ``warmup_decay_schedule`` does).
+
+        Raises:
+            RuntimeError: before the steps per epoch are planned.
+        """
+        if not self._train_steps_per_epoch:
+            raise RuntimeError("total_train_steps is known once the setup phase has planned "
+                               "the steps per epoch (from post_setup on); a schedule built in "
+                               "configure_schedulers can read it lazily: pass "
+                               "total_steps=lambda: self.total_train_steps")
+        return planned_optimizer_steps(self.training_parameters, self._train_steps_per_epoch)
 
     @property
     def global_batch_size(self) -> int:

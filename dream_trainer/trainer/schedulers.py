@@ -1,4 +1,5 @@
-"""Learning-rate schedulers stepped by a metric (``ReduceLROnPlateau``) rather than by steps."""
+"""Learning-rate schedulers stepped by a metric (``ReduceLROnPlateau``) rather than by steps,
+and the number of optimizer steps a run plans (what step-driven schedules span)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from torch.optim.lr_scheduler import LRScheduler
+
+from dream_trainer.configs.training import TrainingParameters
 
 
 def takes_metric(scheduler: LRScheduler) -> bool:
@@ -35,3 +38,19 @@ def step_with_metric(schedulers: Mapping[str, LRScheduler], monitor: str | None,
     value = float(result[monitor])
     for scheduler in metric_driven.values():
         scheduler.step(value)  # type: ignore[call-arg]
+
+
+def planned_optimizer_steps(params: TrainingParameters, steps_per_epoch: int) -> int:
+    """Optimizer steps ``fit()`` runs in all: every epoch's, cut at ``max_steps``.
+
+    Args:
+        params: The run's training parameters.
+        steps_per_epoch: Optimizer steps per epoch, as the trainer planned them.
+
+    Returns:
+        The planned number of optimizer steps over the whole run.
+    """
+    if params.n_epochs is None:  # validated: max_steps is set
+        return int(params.max_steps)  # type: ignore[arg-type]
+    total = params.n_epochs * steps_per_epoch
+    return total if params.max_steps is None else min(total, params.max_steps)
