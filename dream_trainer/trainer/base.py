@@ -4,11 +4,9 @@ validation in ``validation``)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from pydantic import Field, model_validator
 
 from dream_trainer.configs.device import pipeline_layout
@@ -20,7 +18,9 @@ from dream_trainer.parallel.data_parallel import DataParallelBackend, backend_fo
 from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainerConfig, StopTraining
 from dream_trainer.trainer.callback_collection import CallbackCollection
+from dream_trainer.trainer.epoch_plan import plan_train_steps
 from dream_trainer.trainer.item_weighting import ItemWeighting
+from dream_trainer.trainer.loop_state import LoopState
 from dream_trainer.trainer.phases import (CLOSING_PHASES, call_through, check_config_mixins,
                                           run_phase)
 from dream_trainer.trainer.schedulers import planned_optimizer_steps
@@ -64,7 +64,7 @@ class BaseTrainerConfig(AbstractTrainerConfig):
         return self
 
 
-class BaseTrainer(StepAPI, ValidationLoop):
+class BaseTrainer(StepAPI, ValidationLoop, LoopState):
     """The training loop: epochs, micro-batches, accumulation, validation and callbacks.
 
     Subclasses provide models, optimizers and data (``SetupMixin``) and the two steps.
@@ -207,7 +207,8 @@ class BaseTrainer(StepAPI, ValidationLoop):
     def _setup(self) -> None:
         self._fire("pre_setup")
         self.build_training()
-        self._train_steps_per_epoch = self._plan_train_steps()
+        self._train_steps_per_epoch = plan_train_steps(self.train_dataloader,
+                                                       self.training_parameters, self.world)
         self._train_batches = TrainBatches(self.train_dataloader, self._samples_per_batch)
         self._fire("post_setup")
 
@@ -456,63 +457,6 @@ class BaseTrainer(StepAPI, ValidationLoop):
         for model in self.named_models().values():
             model.train(training and any(p.requires_grad for p in model.parameters()))
 
-    def _plan_train_steps(self) -> int:
-        """Optimizer steps per epoch, checked against the loader and agreed by every rank."""
-        loader = self.train_dataloader
-        params = self.training_parameters
-        accumulation = params.gradient_accumulation_steps
-        try:
-            n_batches: int | None = len(loader)  # type: ignore[arg-type]
-        except TypeError:
-            n_batches = None
-        if n_batches == 0:
-            raise ValueError(
-                "the train dataloader is empty (0 batches on this rank): check the dataset, "
-                "and that batch_size with drop_last=True does not exceed the rank's share"
-            )
-        if n_batches is None:
-            if params.train_steps_per_epoch is not None:
-                steps = params.train_steps_per_epoch
-            elif params.n_epochs is None and params.max_steps is not None:
-                steps = params.max_steps  # one epoch reaches the step budget
-            else:
-                raise ValueError(
-                    "the train dataloader has no length (an iterable dataset): set "
-                    "training_parameters.train_steps_per_epoch, or n_epochs=None with "
-                    "max_steps to train on the stream until the step budget"
-                )
-        else:
-            steps = n_batches // accumulation
-            if steps == 0:
-                raise ValueError(
-                    f"the train dataloader has {n_batches} batches per rank, fewer than "
-                    f"gradient_accumulation_steps={accumulation}: use more data or a smaller "
-                    "batch or accumulation"
-                )
-            if params.train_steps_per_epoch is not None:
-                steps = min(steps, params.train_steps_per_epoch)
-            elif n_batches % accumulation:
-                logger.warning(
-                    "the train dataloader has %d batches, not a multiple of "
-                    "gradient_accumulation_steps=%d: the last %d batches of each epoch are "
-                    "not used", n_batches, accumulation, n_batches % accumulation,
-                )
-        return self._agree_on_steps(steps)
-
-    def _agree_on_steps(self, steps: int) -> int:
-        # Ranks with different loader lengths would otherwise wait forever in a collective.
-        if not (dist.is_initialized() and self.world.world_size > 1):
-            return steps
-        agreed = torch.tensor([steps], dtype=torch.int64, device=self.world.device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        if int(agreed) != steps:
-            logger.warning(
-                "rank %d has %d optimizer steps per epoch but another rank has only %d: every "
-                "rank runs %d (give every rank the same amount of data)",
-                self.world.rank, steps, int(agreed), int(agreed),
-            )
-        return int(agreed)
-
     def _report_failure(self, exc: BaseException) -> None:
         where = f"epoch {self.current_epoch}, global step {self.global_step}"
         if self.training:
@@ -527,63 +471,3 @@ class BaseTrainer(StepAPI, ValidationLoop):
             self._fire("on_exception", exc)
         except Exception:
             logger.exception("an on_exception hook failed while handling: %s", message)
-
-    # -- state ------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The loop's position, the gradient scaler and every callback's state.
-
-        The position says where a resumed run continues: the epoch, and how many of its
-        micro-batches are done (0 once the epoch, validation included, has finished).
-        """
-        epoch, batch = ((self.current_epoch + 1, 0) if self._epoch_done
-                        else (self.current_epoch, self._batches_done))
-        return {
-            "global_step": self.global_step,
-            "current_epoch": epoch,
-            "batch_in_epoch": batch,
-            "samples_per_batch": self._samples_per_batch,
-            "dp_size": self.world.dp_size,
-            "precision": self.precision.state_dict(),
-            "callbacks": self.callbacks.state_dict(),
-        }
-
-    def data_state_dict(self) -> Any | None:
-        """This rank's position in a stateful train loader (see ``TrainBatches``), or None
-        when the position is the loop's own (a ``ResumableSampler``'s) or not kept."""
-        return None if self._train_batches is None else self._train_batches.state_dict()
-
-    def load_data_state_dict(self, states: Mapping[int, Any], saved_dp_size: int) -> None:
-        """Restore the train loader's position from every saved data-parallel rank's.
-
-        Raises:
-            ValueError: if the number of data-parallel ranks changed and the loader cannot
-                re-split its position.
-        """
-        if self._train_batches is not None:
-            self._train_batches.load_state_dict(states, saved_dp_size, self.world.dp_size,
-                                                self.world.dp_rank)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned, converting the position to this topology.
-
-        Raises:
-            ValueError: if the samples done in the epoch do not fill whole accumulation
-                windows of this run's batch size and data-parallel degree.
-        """
-        self.global_step = int(state_dict["global_step"])
-        self.current_epoch = int(state_dict["current_epoch"])
-        samples = int(state_dict.get("batch_in_epoch", 0)) * int(
-            state_dict.get("samples_per_batch", self._samples_per_batch))
-        window = self._samples_per_batch * self.training_parameters.gradient_accumulation_steps
-        if samples % window:
-            raise ValueError(
-                f"cannot resume mid-epoch: the checkpoint's run had read {samples} samples of "
-                f"epoch {self.current_epoch}, which is not a whole number of this run's "
-                f"optimizer steps ({window} samples each: train_batch_size x data-parallel "
-                "ranks x gradient_accumulation_steps); use a batch configuration that "
-                "divides it, or resume from an epoch-boundary checkpoint"
-            )
-        self._start_batch = samples // self._samples_per_batch
-        self._resharded = int(state_dict.get("dp_size", self.world.dp_size)) != self.world.dp_size
-        self.precision.load_state_dict(state_dict.get("precision", {}))
-        self.callbacks.load_state_dict(state_dict.get("callbacks", {}))
