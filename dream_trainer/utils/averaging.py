@@ -38,6 +38,7 @@ class ResultAverager:
         self._pending: dict[str, list[tuple[Number, Number]]] = {}
         self._sums: dict[str, torch.Tensor] = {}
         self._weights: dict[str, torch.Tensor] = {}
+        self._seen: dict[str, None] = {}  # keys in the order they first came (an ordered set)
 
     def update(self, result: Mapping[str, Any], weight: Number = 1.0) -> None:
         """Add one step's results, each value counting ``weight`` times.
@@ -51,6 +52,7 @@ class ResultAverager:
                 value = value.detach()
             elif isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
+            self._seen.setdefault(key)
             pending = self._pending.setdefault(key, [])
             pending.append((value, 1.0) if key == WEIGHT_KEY else (value, weight))
             if len(pending) >= _FOLD_EVERY:
@@ -89,5 +91,8 @@ class ResultAverager:
         if distributed:
             dist.all_reduce(totals)
         sums, weights = totals[: len(keys)].tolist(), totals[len(keys):].tolist()
-        return {key: (s if key == WEIGHT_KEY else s / w if w else math.nan)
-                for key, s, w in zip(keys, sums, weights)}
+        means = {key: (s if key == WEIGHT_KEY else s / w if w else math.nan)
+                 for key, s, w in zip(keys, sums, weights)}
+        # The ranks agreed on sorted keys; hand them back in the order this rank first saw them
+        # (the user's order in the result dict), so loggers' columns follow it.
+        return {key: means[key] for key in [*self._seen, *(k for k in keys if k not in self._seen)]}

@@ -179,7 +179,7 @@ def test_csv_has_one_column_per_key_and_the_jsonl_values(logs: Path) -> None:
         header = list(rows[0])
     # Columns in the order keys first appeared: each new one rewrote the header.
     assert header == ["step", "loss", "grad_norm", "trainer/global_step", "trainer/epoch",
-                      "train_epoch/grad_norm", "train_epoch/loss", "val_loss", "samples",
+                      "train_epoch/loss", "train_epoch/grad_norm", "val_loss", "samples",
                       "frames", "spread", "scores", "note", "clips"]
     scalars = [{k: float(v) for k, v in row.items() if v and k in header[:8]} for row in rows]
     assert [row for row in scalars if len(row) > 1] == [

@@ -19,6 +19,17 @@ def test_means_per_key_ignoring_non_scalars() -> None:
     assert averager.compute() == {"loss": 2.0, "grad_norm": 4.0}
 
 
+def test_keys_come_back_in_the_order_they_first_came(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Folding pops and re-adds a key's running sum; the result keeps the user's order anyway,
+    # so a logger's columns follow the training_step's dict, not the alphabet.
+    monkeypatch.setattr(averaging, "_FOLD_EVERY", 2)
+    averager = ResultAverager(torch.device("cpu"))
+    for value in range(5):
+        averager.update({"zeta": value, "alpha": value})
+        averager.update({"zeta": value, "mid": value})
+    assert list(averager.compute()) == ["zeta", "alpha", "mid"]
+
+
 def test_folding_keeps_long_epochs_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(averaging, "_FOLD_EVERY", 4)
     averager = ResultAverager(torch.device("cpu"))
