@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from abc import abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -14,12 +14,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from dream_trainer.configs.device import ddp_pipeline_problem
 from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.data_parallel import DDPBackend
-from dream_trainer.parallel.materialize import has_meta_tensors, materialize
-from dream_trainer.parallel.pipeline import (PipelineStages, materialize_stages, split_model,
-                                             stage_ids)
+from dream_trainer.parallel.materialize import (FullTensorInit, has_meta_tensors, materialize,
+                                                parameters_named)
+from dream_trainer.parallel.hf_init import is_hf_model
+from dream_trainer.parallel.hf_pipeline import is_hf_decoder, split_hf_decoder
+from dream_trainer.parallel.pipeline import (PipelineStages, copy_into_stages,
+                                             materialize_stages, split_model, stage_ids)
 from dream_trainer.parallel.pipeline_schedule import PipelineRunner
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.world.dims import MeshAxis
+
+if TYPE_CHECKING:
+    from dream_trainer.weights.pretrained import PretrainedWeights
 
 
 class ParallelizeModels(AbstractTrainer):
@@ -27,8 +33,23 @@ class ParallelizeModels(AbstractTrainer):
     own models, and the order ``build_training()`` applies them in."""
 
     @abstractmethod
-    def _init_weights(self) -> None:
-        """Run ``init_weights()`` and check every tensor is initialized (``SetupMixin``)."""
+    def _init_weights(self, loaded: list[torch.Tensor] | None = None,
+                      pretrained: PretrainedWeights | None = None,
+                      run_init_weights: bool = True) -> None:
+        """Run ``init_weights()``, check every tensor is initialized, load ``pretrained``
+        (``SetupMixin``)."""
+
+    @abstractmethod
+    def _pretrained_weights(self) -> PretrainedWeights | None:
+        """The planned ``init_weights_from`` load, if any (``SetupMixin``)."""
+
+    @abstractmethod
+    def init_weights(self) -> None:
+        """The user's initialization after materialization (``SetupMixin``)."""
+
+    @abstractmethod
+    def _has_own_init_weights(self) -> bool:
+        """True when the trainer overrides ``init_weights()`` (``SetupMixin``)."""
 
     # -- hooks ---------------------------------------------------------------------------------
     def apply_pipeline_parallel(self, pp_mesh: DeviceMesh) -> list[nn.Module]:
@@ -37,8 +58,10 @@ class ParallelizeModels(AbstractTrainer):
         The default is ``split_model(model, stage_ids(...), num_stages)``: the
         blocks ``find_blocks`` finds are split evenly, modules before them go to the first
         stage and after them to the last, and everything of other stages is set to None,
-        so the model's ``forward`` must skip None modules. Override it for a model that does
-        not follow that convention; return modules whose parameter names are the model's.
+        so the model's ``forward`` must skip None modules. A ``transformers`` decoder (Llama,
+        Qwen2/3, Mistral, any causal LM with ``model.layers``) is split by
+        ``split_hf_decoder`` instead, which needs no such convention. Override it for a model
+        that follows neither; return modules whose parameter names are the model's.
 
         Args:
             pp_mesh: The pipeline mesh.
@@ -48,7 +71,9 @@ class ParallelizeModels(AbstractTrainer):
             device_parameters)``, in that order.
         """
         ids = stage_ids(pp_mesh.get_local_rank(), pp_mesh.size(), self.config.device_parameters)
-        return split_model(getattr(self, _pipelined_model(self)), ids, self.world.dims.pp_stages)
+        model = getattr(self, _pipelined_model(self))
+        split = split_hf_decoder if is_hf_decoder(model) else split_model
+        return split(model, ids, self.world.dims.pp_stages)
 
     def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
         """Parallelize the models over ``tp_mesh`` (``parallelize_module``).
@@ -135,13 +160,8 @@ class ParallelizeModels(AbstractTrainer):
             raise ValueError(ddp_pipeline_problem(self.world.dims.pp,
                                                   self.world.dims.dp_replicate))
         name = _pipelined_model(self)
-        if getattr(self.config, "init_weights_from", None) is not None:
-            raise ValueError(
-                "init_weights_from is not supported with pipeline_parallel > 1 yet: load the "
-                "pretrained weights in a run without a pipeline and resume this one from its "
-                "checkpoint (checkpoint_parameters.load_weights_only=True)"
-            )
         model = getattr(self, name)
+        pretrained = self._pretrained_weights()
         reference = copy.deepcopy(model) if has_meta_tensors(model) else None
         pp_mesh = self.world.get_mesh(MeshAxis.PP)
         assert pp_mesh is not None
@@ -154,6 +174,9 @@ class ParallelizeModels(AbstractTrainer):
         stages = [self._on_stage(name, stage, self._apply_parallelism) for stage in stages]
         self.world.seed(self.config.seed)
         materialization = self.world.materialization
+        skip = pretrained.names(name) if pretrained is not None else set()
+        whole = reference is not None and materialization.has_values \
+            and self._initializes_whole_model(reference)
         with materialization.context():
             if reference is None:
                 for stage in stages:
@@ -161,14 +184,48 @@ class ParallelizeModels(AbstractTrainer):
             elif not materialization.has_values:  # no one-process values to reproduce
                 for stage in stages:
                     materialize(stage, self.world.device, values=False)
+            elif whole:
+                self._initialize_whole_model(name, reference, stages, skip)
             else:
-                materialize_stages(reference, stages, self.world.device)
+                materialize_stages(reference, stages, self.world.device, skip)
         runner = PipelineRunner(params.pipeline_schedule, dims.pp_microbatches, ids,
                                 dims.pp_stages, dims.pp, self._pp_group, self.world.device)
         container = PipelineStages(stages, ids, dims.pp_stages, runner)
         setattr(self, name, container)
+        if pretrained is not None:
+            pretrained.use_models(self.named_models())
+        loaded = parameters_named(container, skip)
         with materialization.context():
-            self._init_weights()
+            self._init_weights(loaded, pretrained, run_init_weights=not whole)
+
+    def _initializes_whole_model(self, reference: nn.Module) -> bool:
+        """Whether a pipeline's weights come from initializing the whole model on every rank
+        rather than block by block: needed when ``init_weights()`` is the user's (it may draw
+        from the generator anywhere in the model) or for a ``transformers`` model (its library
+        initialization and computed buffers run over the whole model)."""
+        return self._has_own_init_weights() or any(map(is_hf_model, reference.modules()))
+
+    def _initialize_whole_model(self, name: str, reference: nn.Module,
+                                stages: list[nn.Module], skip: set[str]) -> None:
+        """Initialize ``reference`` (the whole model) exactly as one process would, with
+        ``init_weights()`` seeing it as the model attribute, and give ``stages`` their part.
+
+        Every rank holds the whole unsharded model for the duration; parameters the
+        pretrained weights will set (``skip``) are allocated but not drawn.
+        """
+        device = self.world.device
+        materialize(reference, device, skip=skip)
+        pipelined = getattr(self, name)
+        setattr(self, name, reference)
+        try:
+            # As in one process, draws for the pretrained parameters are skipped, not made.
+            with FullTensorInit(skip=parameters_named(reference, skip)):
+                self.init_weights()
+        finally:
+            setattr(self, name, pipelined)
+        for stage in stages:
+            stage.to_empty(device=device)
+        copy_into_stages(reference, stages)
 
     def _pp_group(self) -> Any:
         mesh = self.world.get_mesh(MeshAxis.PP)

@@ -261,16 +261,19 @@ class SetupMixin(ParallelizeModels):
         self._init_weights(loaded, pretrained)
 
     def _init_weights(self, loaded: list[torch.Tensor] | None = None,
-                      pretrained: PretrainedWeights | None = None) -> None:
-        """Run ``init_weights()``, require every tensor to be initialized (but those
-        ``pretrained`` will set, in ``loaded``), then load ``pretrained``."""
+                      pretrained: PretrainedWeights | None = None,
+                      run_init_weights: bool = True) -> None:
+        """Run ``init_weights()`` (unless it already ran, on a pipeline's whole model),
+        require every tensor to be initialized (but those ``pretrained`` will set, in
+        ``loaded``), then load ``pretrained``."""
         device = self.world.device
         loaded = loaded or []
         if not self.world.materialization.has_values:
             self.init_weights()
             return  # no values to draw in full, to check, nor any to load
-        with FullTensorInit(skip=loaded):
-            self.init_weights()
+        if run_init_weights:
+            with FullTensorInit(skip=loaded):
+                self.init_weights()
         # The parameters left for the pretrained weights still hold NaN; the load sets every
         # one of them or raises.
         bad = [entry for name, model in self.named_models().items()
@@ -285,6 +288,9 @@ class SetupMixin(ParallelizeModels):
             )
         if pretrained is not None:
             pretrained.load(expected=loaded, device=device)
+
+    def _has_own_init_weights(self) -> bool:
+        return type(self).init_weights is not SetupMixin.init_weights
 
     def _pretrained_weights(self) -> PretrainedWeights | None:
         """The planned ``init_weights_from`` load (sources opened, metadata only), if any."""

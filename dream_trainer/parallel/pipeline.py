@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from dream_trainer.configs.device import V_SCHEDULES, DeviceParameters, pipeline_layout
 from dream_trainer.parallel.blocks import find_blocks
-from dream_trainer.parallel.materialize import reset_module
+from dream_trainer.parallel.materialize import FullTensorInit, reset_module
 from dream_trainer.parallel.names import clean_name
 
 if TYPE_CHECKING:
@@ -190,7 +190,7 @@ def _prune(model: nn.Module, path: list[str], owners: dict[str, int], stage: int
 
 
 def materialize_stages(reference: nn.Module, stages: Sequence[nn.Module],
-                       device: torch.device) -> None:
+                       device: torch.device, skip: Collection[str] = ()) -> None:
     """Allocate ``stages`` on ``device`` and fill them with the values that initializing
     ``reference`` (the whole model, on the meta device) in one process would give.
 
@@ -198,8 +198,43 @@ def materialize_stages(reference: nn.Module, stages: Sequence[nn.Module],
     block-sized piece of ``reference`` at a time, and keeps the tensors its stages hold (its
     shard of them, for DTensors): the random generator advances as in a one-process run, so
     a pipeline starts from exactly the weights the same seed gives without one. Tensors no
-    reset touched stay NaN for ``find_uninitialized`` to report. ``reference`` is consumed.
+    reset touched stay NaN for ``find_uninitialized`` to report, as do the parameters named
+    in ``skip`` (pretrained weights will set them; their draws are skipped, as
+    ``materialize`` skips them in one process). ``reference`` is consumed.
     """
+    local = _allocate(stages, device)
+    for prefix, unit, recurse in _units(reference):
+        unit.to_empty(device=device, recurse=recurse)
+        skipped = [tensor for name, tensor in unit.named_parameters(prefix, recurse=recurse)
+                   if name in skip]
+        with FullTensorInit(skip=skipped):
+            for submodule in (unit.modules() if recurse else (unit,)):
+                reset_module(submodule)
+        tensors = itertools.chain(unit.named_parameters(prefix, recurse=recurse),
+                                  unit.named_buffers(prefix, recurse=recurse))
+        with torch.no_grad():
+            for name, full in tensors:
+                for target in local.get(name, ()):
+                    _copy_full(target, full)
+        unit.to_empty(device="meta", recurse=recurse)
+
+
+def copy_into_stages(reference: nn.Module, stages: Sequence[nn.Module]) -> None:
+    """Give ``stages`` (allocated) the values of ``reference``, the whole initialized model:
+    each tensor they hold, or its shard for a DTensor, is copied from the tensor of the same
+    name."""
+    values = dict(itertools.chain(reference.named_parameters(remove_duplicate=False),
+                                  reference.named_buffers(remove_duplicate=False)))
+    with torch.no_grad():
+        for stage in stages:
+            named = itertools.chain(stage.named_parameters(remove_duplicate=False),
+                                    stage.named_buffers(remove_duplicate=False))
+            for name, tensor in named:
+                _copy_full(tensor, values[clean_name(name)])
+
+
+def _allocate(stages: Sequence[nn.Module], device: torch.device) -> dict[str, list[torch.Tensor]]:
+    """Allocate ``stages`` on ``device``, floating tensors NaN; their tensors by clean name."""
     local: dict[str, list[torch.Tensor]] = {}
     for stage in stages:
         stage.to_empty(device=device)
@@ -210,17 +245,7 @@ def materialize_stages(reference: nn.Module, stages: Sequence[nn.Module],
                 if tensor.is_floating_point():
                     _local(tensor).fill_(math.nan)
                 local.setdefault(clean_name(name), []).append(tensor)
-    for prefix, unit, recurse in _units(reference):
-        unit.to_empty(device=device, recurse=recurse)
-        for submodule in (unit.modules() if recurse else (unit,)):
-            reset_module(submodule)
-        tensors = itertools.chain(unit.named_parameters(prefix, recurse=recurse),
-                                  unit.named_buffers(prefix, recurse=recurse))
-        with torch.no_grad():
-            for name, full in tensors:
-                for target in local.get(name, ()):
-                    _copy_full(target, full)
-        unit.to_empty(device="meta", recurse=recurse)
+    return local
 
 
 def _units(reference: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:

@@ -107,6 +107,11 @@ class PretrainedWeights:
         self.sources = {name: _open(path, name)
                         for name, path in resolve_sources(init_weights_from, models).items()}
 
+    def use_models(self, models: Mapping[str, nn.Module]) -> None:
+        """Load into ``models`` instead: a pipeline plans the load on the whole model and
+        runs it on the container of its stages."""
+        self.models = models
+
     def names(self, model_name: str) -> set[str]:
         """The model keys that the files of ``model_name`` will set (if they fit)."""
         source = self.sources.get(model_name)

@@ -13,21 +13,29 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 from dream_trainer import BaseTrainer, BaseTrainerConfig
 from dream_trainer.configs import DeviceParameters, TrainingParameters
 from dream_trainer.mixins import SetupConfigMixin, SetupMixin
 
 VOCAB, SEQ = 64, 16
-Architecture = Literal["llama", "gpt2"]
+Architecture = Literal["llama", "gpt2", "qwen3"]
 
 
-def llama_config() -> LlamaConfig:
+def llama_config(layers: int = 2) -> LlamaConfig:
     """Two layers, grouped-query attention (4 heads, 2 key/value heads), untied head."""
     return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=2 * SEQ)
+
+
+def qwen3_config(layers: int = 4) -> Qwen3Config:
+    """Qwen3's layout (q/k norms, explicit head dimension), untied head."""
+    return Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, max_position_embeddings=2 * SEQ, tie_word_embeddings=False)
 
 
 def gpt2_config() -> GPT2Config:
@@ -36,17 +44,20 @@ def gpt2_config() -> GPT2Config:
                       bos_token_id=0, eos_token_id=0)
 
 
-def build(architecture: Architecture) -> nn.Module:
+def build(architecture: Architecture, layers: int = 2) -> nn.Module:
     if architecture == "llama":
-        return LlamaForCausalLM(llama_config())
+        return LlamaForCausalLM(llama_config(layers))
+    if architecture == "qwen3":
+        return Qwen3ForCausalLM(qwen3_config(layers))
     return GPT2LMHeadModel(gpt2_config())
 
 
-def save_pretrained(architecture: Architecture, path: Path, seed: int = 0) -> nn.Module:
+def save_pretrained(architecture: Architecture, path: Path, seed: int = 0,
+                    layers: int = 2) -> nn.Module:
     """Build the model eagerly with random weights, as a download would provide them, and
     ``save_pretrained`` it; returns the model."""
     torch.manual_seed(seed)
-    model = build(architecture).eval()
+    model = build(architecture, layers).eval()
     model.save_pretrained(path)
     return model
 
@@ -67,6 +78,7 @@ def logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 class HFConfig(BaseTrainerConfig, SetupConfigMixin):
     architecture: Architecture = "llama"
+    layers: int = 2
     lr: float = 0.05
 
 
@@ -86,7 +98,7 @@ class HFTrainer(BaseTrainer, SetupMixin):
     config: HFConfig
 
     def configure_models(self) -> None:
-        self.model = build(self.config.architecture)
+        self.model = build(self.config.architecture, self.config.layers)
 
     def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,

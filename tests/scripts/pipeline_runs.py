@@ -47,6 +47,10 @@ MODES: dict[str, tuple[DeviceParameters, int]] = {
                                            loss_parallel=True), 1),
     "pp2_tp2_loss_parallel": (DeviceParameters(dp_replicate=1, pipeline_parallel=2,
                                                tensor_parallel=2, loss_parallel=True), 1),
+    # The user's own init_weights, drawing from the generator in every block.
+    "single_drawn_init": (DeviceParameters.SINGLE_DEVICE(), 1),
+    "1F1B_drawn_init": (DeviceParameters(dp_replicate=1, pipeline_parallel=2,
+                                         pipeline_schedule="1F1B"), 1),
 }
 
 
@@ -158,6 +162,19 @@ class VocabShardedHead(Recording):
         return next_token_loss(logits, targets)
 
 
+class DrawnInit(Recording):
+    """nanoGPT's initialization: every linear weight drawn again from normal(0, 0.02), the
+    embedding from normal(0, 1), in the model's module order."""
+
+    def init_weights(self) -> None:
+        with torch.no_grad():
+            for module in self.model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    torch.nn.init.normal_(module.weight, std=0.02)
+                elif isinstance(module, torch.nn.Embedding):
+                    module.weight.normal_()
+
+
 class BackwardUnderPipeline(Recording):
     """Calls backward() as a plain training step would."""
 
@@ -204,7 +221,8 @@ def run(mode: str) -> dict[str, Any]:
     config = transformer_config(params, STEP_SAMPLES // dp // ACCUMULATION, max_steps=3,
                                 gradient_accumulation_steps=ACCUMULATION,
                                 gradient_clip_val=CLIP)
-    trainer_class = VocabShardedHead if params.loss_parallel else Recording
+    trainer_class = VocabShardedHead if params.loss_parallel else \
+        DrawnInit if mode.endswith("_drawn_init") else Recording
     trainer = trainer_class(config.model_copy(update={"n_layers": 4}))
     throughput = Throughput(window=1)
     trainer.callbacks.append(throughput)
@@ -213,7 +231,7 @@ def run(mode: str) -> dict[str, Any]:
     val_losses = list(trainer.val_losses)
     # A pipeline validates after fit() too, in a process group of its own.
     after_fit = trainer.run_validation()["val_loss"] if mode == "1F1B" else None
-    return {"after_fit_val_loss": after_fit, "val_losses": val_losses,"initial": trainer.initial, "final": trainer.final, "losses": trainer.losses,
+    return {"after_fit_val_loss": after_fit, "val_losses": val_losses, "initial": trainer.initial, "final": trainer.final, "losses": trainer.losses,
             "grad_norms": trainer.grad_norms,
             "val_accuracy": trainer.val_accuracy, "global_step": trainer.global_step,
             "model_type": type(trainer.model).__name__,

@@ -1,0 +1,118 @@
+"""Pipeline stages of Hugging Face ``transformers`` decoders (Llama, Qwen2/3, Mistral and any
+causal LM built the same way).
+
+Such a model is ``XForCausalLM(model=XModel(embed_tokens, layers, norm, rotary_emb),
+lm_head)``. Its ``forward`` iterates every layer and calls the embedding, the rotary
+embedding and the final norm unconditionally, so the default split's convention (``forward``
+skips None modules) does not hold. ``split_hf_decoder`` splits it as ``split_model`` does
+(embedding on the first stage, the layers evenly, norm and head on the last; parameter names
+unchanged) and gives each stage a ``forward`` that runs the library's own decoder ``forward``
+(its rotary embeddings, its causal or sliding-window masks) with a pass-through standing in
+for every module another stage runs. Modules without parameters (the rotary embedding) are
+kept on every stage, since every stage needs what they compute.
+
+``transformers`` is never imported here (see ``hf_init``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dream_trainer.parallel.hf_init import is_hf_model
+from dream_trainer.parallel.pipeline import split_model
+
+_STAGE_CLASSES: dict[type, type] = {}
+
+
+def is_hf_decoder(model: nn.Module) -> bool:
+    """True for a ``transformers`` model whose base model holds its layers in ``layers`` (a
+    ``ModuleList``) and that has an input embedding: the decoders ``split_hf_decoder`` splits."""
+    if not is_hf_model(model):
+        return False
+    inner = _base_model(model)
+    return inner is not model and isinstance(getattr(inner, "layers", None), nn.ModuleList) \
+        and isinstance(getattr(inner, "embed_tokens", None), nn.Module)
+
+
+def split_hf_decoder(model: nn.Module, stage_ids: Sequence[int],
+                     num_stages: int) -> list[nn.Module]:
+    """Split a ``transformers`` decoder into pipeline stages; return the ones in ``stage_ids``.
+
+    The first stage takes token ids and returns hidden states, middle stages take and return
+    hidden states, the last returns the logits (``lm_head``'s output, a tensor, not the
+    model's output object). Attention masks come from the model's own mask functions for
+    unpadded sequences: pipelined batches carry no ``attention_mask`` (mark padding in the
+    labels, with -100, instead).
+
+    Raises:
+        ValueError: as ``split_model`` does, or for a model ``is_hf_decoder`` rejects.
+    """
+    if not is_hf_decoder(model):
+        raise ValueError(f"{type(model).__name__} is not a transformers decoder with "
+                         "model.layers and model.embed_tokens: override "
+                         "apply_pipeline_parallel(pp_mesh)")
+    everywhere = {name: child for name, child in _base_model(model).named_children()
+                  if not any(True for _ in child.parameters())}
+    stages = split_model(model, stage_ids, num_stages)
+    for stage in stages:
+        inner = _base_model(stage)
+        for name, child in everywhere.items():
+            if inner._modules.get(name) is None:
+                setattr(inner, name, copy.deepcopy(child))
+        stage.__class__ = _stage_class(type(stage))
+    return stages
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = getattr(model, prefix, None) if prefix else None
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def _stage_class(model_class: type) -> type:
+    """``model_class`` with the stage ``forward`` (one subclass per model class)."""
+    if model_class not in _STAGE_CLASSES:
+        _STAGE_CLASSES[model_class] = type(model_class.__name__, (model_class,),
+                                           {"forward": _stage_forward,
+                                            "__module__": model_class.__module__})
+    return _STAGE_CLASSES[model_class]
+
+
+def _stage_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Token ids (first stage) or hidden states in; hidden states or logits (last) out."""
+    inner = _base_model(self)
+    first = inner._modules.get("embed_tokens") is not None
+    with _standing_in(inner):
+        inputs = {"input_ids": hidden} if first else {"inputs_embeds": hidden}
+        output = inner(**inputs, use_cache=False)
+    hidden = output[0]
+    head = self._modules.get("lm_head")
+    return hidden if head is None else head(hidden)
+
+
+class _PassThrough(nn.Module):
+    """Stands for a module another stage runs: returns its first input unchanged."""
+
+    def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        return hidden
+
+
+@contextlib.contextmanager
+def _standing_in(inner: nn.Module) -> Iterator[None]:
+    """Put a pass-through in every empty place of ``inner`` and its layer list for the call."""
+    places = [(module, name) for module in (inner, inner.layers)
+              for name, child in module._modules.items() if child is None]
+    through = _PassThrough()
+    for module, name in places:
+        module._modules[name] = through
+    try:
+        yield
+    finally:
+        for module, name in places:
+            module._modules[name] = None
