@@ -4,6 +4,8 @@
     torchrun --standalone --nproc_per_node=2 examples/finetune_hf.py
     torchrun --standalone --nproc_per_node=4 examples/finetune_hf.py \\
         --device_parameters.tensor_parallel 2
+    torchrun --standalone --nproc_per_node=2 examples/finetune_hf.py \\
+        --device_parameters.pipeline_parallel 2
     python examples/finetune_hf.py --init_weights_from path/to/a/save_pretrained/directory
 
 Nothing is downloaded. Unless ``--init_weights_from`` names a directory, the first run creates
@@ -20,10 +22,14 @@ What it shows:
   ``init_weights_from`` reads the pretrained weights into each rank's FSDP2 shards.
 - ``apply_tensor_parallel`` is a tensor-parallel plan for transformers' Llama blocks, used
   when ``tensor_parallel > 1``.
+- ``training_step`` and ``validation_step`` go through ``forward_backward`` and
+  ``forward_loss``, so the same code trains under ``pipeline_parallel > 1``: dream_trainer
+  splits transformers' decoders into stages itself (embedding first, layers evenly, norm and
+  head last), and each rank reads only its stages' pretrained weights.
 - At the end ``export_weights`` writes the fine-tuned weights in the Hugging Face layout
   (``model.safetensors`` and ``config.json``) to ``outputs/examples/finetune_hf/exported``;
   rank 0 loads them with ``AutoModelForCausalLM.from_pretrained`` and prints how far its
-  logits are from the trained model's (0 up to float rounding).
+  loss on a fixed batch is from the trained model's (0 up to float rounding).
 """
 
 from __future__ import annotations
@@ -104,7 +110,8 @@ class FinetuneTrainer(DreamTrainer):
                 "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                 "mlp.down_proj": RowwiseParallel()}
         for layer in self.model.model.layers:
-            parallelize_module(layer, tp_mesh, plan)
+            if layer is not None:  # under a pipeline, other stages' layers are None
+                parallelize_module(layer, tp_mesh, plan)
 
     @override
     def configure_optimizers(self) -> None:
@@ -121,22 +128,27 @@ class FinetuneTrainer(DreamTrainer):
                 DataLoader(ByteWindows(text[split:], context),
                            batch_size=params.val_batch_size))
 
-    def loss(self, batch: Any) -> torch.Tensor:
-        inputs, targets = batch
-        logits = self.model(input_ids=inputs).logits
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    @staticmethod
+    def next_byte_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+        # One process gets the model's output object, a pipeline's last stage the logits.
+        logits = getattr(output, "logits", output)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        loss = self.loss(batch)
-        self.backward(loss)
+        inputs, targets = batch
+        # model(inputs), the loss and backward; under a pipeline, the schedule does them.
+        loss = self.forward_backward(self.model, inputs, target=targets,
+                                     loss_fn=self.next_byte_loss)
         if self.is_accumulating_gradients:
             return {"loss": loss}
         return {"loss": loss, "grad_norm": self.step(self.model, self.optimizer)}
 
     @override
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        return {"val_loss": self.loss(batch)}
+        inputs, targets = batch
+        return {"val_loss": self.forward_loss(self.model, inputs, target=targets,
+                                              loss_fn=self.next_byte_loss)}
 
     @override
     def pre_fit(self) -> None:
@@ -159,19 +171,22 @@ class FinetuneTrainer(DreamTrainer):
         super().post_fit()
         # Collective: every rank writes its slices, rank 0 consolidates them.
         self.export_weights(self.config.export_dir)
-        # Under FSDP2 a forward is collective too, so every rank computes these logits.
-        tokens = torch.arange(32, device=self.world.device)[None] % VOCAB_SIZE
+        # Collective (FSDP2, a pipeline): every rank computes the trained model's loss.
+        tokens = torch.arange(4 * 33, device=self.world.device).view(4, 33) % VOCAB_SIZE
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
         self.model.eval()
         with torch.no_grad():
-            trained = self.model(input_ids=tokens).logits.cpu()
+            trained = float(self.forward_loss(self.model, inputs, target=targets,
+                                              loss_fn=self.next_byte_loss))
         if self.world.is_rank_zero:
             from transformers import AutoModelForCausalLM
 
             exported = AutoModelForCausalLM.from_pretrained(self.config.export_dir)
             with torch.no_grad():
-                reloaded = exported(input_ids=tokens.cpu()).logits
-            print(f"exported: {self.config.export_dir.resolve()} (from_pretrained logits "
-                  f"differ by at most {(reloaded - trained).abs().max().item():.2e})")
+                reloaded = float(self.next_byte_loss(exported(input_ids=inputs.cpu()),
+                                                     targets.cpu()))
+            print(f"exported: {self.config.export_dir.resolve()} (from_pretrained's loss "
+                  f"differs by {abs(reloaded - trained):.2e})")
 
 
 def ensure_pretrained(path: Path, shape: LlamaShape) -> None:

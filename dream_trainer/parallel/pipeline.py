@@ -320,7 +320,7 @@ class PipelineStages(nn.Module):
         self.stage_ids = list(stage_ids)
         self.num_stages = num_stages
         self.runner = runner
-        _merge_into(self, [_unwrap(stage) for stage in stages])
+        _merge_into(self, [unwrap_stage(stage) for stage in stages])
 
     @property
     def has_first_stage(self) -> bool:
@@ -374,7 +374,7 @@ class PipelineStages(nn.Module):
 def describe_stage(stage: nn.Module) -> str:
     """What a stage runs, in the model's names: ``"embed, layers.0-1"``."""
     parts = []
-    for name, child in _unwrap(stage).named_children():
+    for name, child in unwrap_stage(stage).named_children():
         if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             held = [key for key, entry in child._modules.items() if entry is not None]
             if held == list(child._modules):
@@ -389,7 +389,7 @@ def describe_stage(stage: nn.Module) -> str:
     return ", ".join(parts) or "(nothing)"
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
+def unwrap_stage(module: nn.Module) -> nn.Module:
     """The model-class module inside a torch.compile wrapper."""
     inner = getattr(module, "_orig_mod", None)
     return inner if isinstance(inner, nn.Module) else module

@@ -24,6 +24,7 @@ from torch import nn
 from dream_trainer.checkpoint.layout import CheckpointError
 from dream_trainer.parallel.hf_init import is_hf_model
 from dream_trainer.parallel.names import clean_name, unwrap_ddp
+from dream_trainer.parallel.pipeline import PipelineStages, unwrap_stage
 
 logger = logging.getLogger(__name__)
 
@@ -181,8 +182,9 @@ def export_live(models: Mapping[str, nn.Module], path: Path, format: ExportForma
         state = exported_state(name, model, map_key if format == "hf" else None, dtype)
         if format == "hf":
             target = path if len(models) == 1 else path / name
-            sizes = {key: tensor.numel() * tensor.element_size()
-                     for key, tensor in state.items()}
+            # Every rank plans the same shards: under a pipeline each holds other keys.
+            sizes = _on_every_rank({key: tensor.numel() * tensor.element_size()
+                                    for key, tensor in state.items()})
             shards = plan_shards(sizes, max_shard_bytes)
         else:
             target = path / f"{name}.safetensors"
@@ -221,6 +223,8 @@ def _publish(staging: Path, target: Path, count: int, model: nn.Module | None) -
         produced[0].replace(staging / WEIGHTS)
         (staging / INDEX).unlink()
     root = unwrap_ddp(model)
+    if isinstance(root, PipelineStages):  # rank 0's stages: the first is the model's class
+        root = unwrap_stage(root.stages[0])
     if is_hf_model(root):
         root.config.to_json_file(str(staging / CONFIG))  # type: ignore[operator,union-attr]
         # What save_pretrained writes beside it: the generation defaults of a model that
@@ -248,6 +252,15 @@ def replace_weights(staging: Path, target: Path) -> None:
 
 def _is_rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _on_every_rank(sizes: dict[str, int]) -> dict[str, int]:
+    """The union of every rank's ``{key: bytes}``, in key order of the ranks (collective)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return sizes
+    views: list[dict[str, int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(views, sizes)
+    return {key: size for view in views for key, size in (view or {}).items()}
 
 
 def _barrier() -> None:
