@@ -19,7 +19,8 @@ from dream_trainer.parallel.materialize import (FullTensorInit, has_meta_tensors
 from dream_trainer.parallel.hf_init import is_hf_model
 from dream_trainer.parallel.hf_pipeline import is_hf_decoder, split_hf_decoder
 from dream_trainer.parallel.pipeline import (PipelineStages, copy_into_stages,
-                                             materialize_stages, split_model, stage_ids)
+                                             materialize_stages, split_model, stage_ids,
+                                             tied_names)
 from dream_trainer.parallel.pipeline_schedule import PipelineRunner
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.world.dims import MeshAxis
@@ -163,6 +164,7 @@ class ParallelizeModels(AbstractTrainer):
         model = getattr(self, name)
         pretrained = self._pretrained_weights()
         reference = copy.deepcopy(model) if has_meta_tensors(model) else None
+        ties = tied_names(model)  # of the whole model: the split leaves a copy per stage
         pp_mesh = self.world.get_mesh(MeshAxis.PP)
         assert pp_mesh is not None
         params, dims = self.config.device_parameters, self.world.dims
@@ -175,6 +177,8 @@ class ParallelizeModels(AbstractTrainer):
         self.world.seed(self.config.seed)
         materialization = self.world.materialization
         skip = pretrained.names(name) if pretrained is not None else set()
+        # A stage's copy of a tied weight is loaded under whichever name the files hold.
+        skip |= {tied for group in ties if skip & set(group) for tied in group}
         whole = reference is not None and materialization.has_values \
             and self._initializes_whole_model(reference)
         with materialization.context():
@@ -190,7 +194,9 @@ class ParallelizeModels(AbstractTrainer):
                 materialize_stages(reference, stages, self.world.device, skip)
         runner = PipelineRunner(params.pipeline_schedule, dims.pp_microbatches, ids,
                                 dims.pp_stages, dims.pp, self._pp_group, self.world.device)
-        container = PipelineStages(stages, ids, dims.pp_stages, runner)
+        container = PipelineStages(stages, ids, dims.pp_stages, runner, ties)
+        if ties and materialization.has_values:
+            container.connect_ties(pp_mesh.get_group())
         setattr(self, name, container)
         if pretrained is not None:
             pretrained.use_models(self.named_models())
@@ -201,9 +207,11 @@ class ParallelizeModels(AbstractTrainer):
     def _initializes_whole_model(self, reference: nn.Module) -> bool:
         """Whether a pipeline's weights come from initializing the whole model on every rank
         rather than block by block: needed when ``init_weights()`` is the user's (it may draw
-        from the generator anywhere in the model) or for a ``transformers`` model (its library
-        initialization and computed buffers run over the whole model)."""
-        return self._has_own_init_weights() or any(map(is_hf_model, reference.modules()))
+        from the generator anywhere in the model), for a ``transformers`` model (its library
+        initialization and computed buffers run over the whole model) and for a model with
+        tied parameters (the last initializer of a shared weight sets both places)."""
+        return self._has_own_init_weights() or any(map(is_hf_model, reference.modules())) \
+            or bool(tied_names(reference))
 
     def _initialize_whole_model(self, name: str, reference: nn.Module,
                                 stages: list[nn.Module], skip: set[str]) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Collection, Hashable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -12,7 +12,8 @@ from dream_trainer.parallel.dtensor import is_dtensor
 
 
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None,
-                   pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                   pipeline_group: dist.ProcessGroup | None = None,
+                   uncounted: Collection[nn.Parameter] = ()) -> torch.Tensor:
     """Return the total 2-norm of the gradients, clipping them to ``max_norm`` if given.
 
     The norm is a 0-dim tensor on the gradients' device: nothing forces a host sync. DTensor
@@ -26,6 +27,8 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None,
         pipeline_group: Under pipeline parallelism, the group of ranks holding the other
             stages: their squared norms are added (one all-reduce), so every stage measures
             and clips with the norm of the whole model.
+        uncounted: Parameters clipped but left out of the norm: copies of a parameter tied
+            across pipeline stages, which another stage's copy counts.
     """
     params = list(parameters)
     groups: dict[Hashable, list[nn.Parameter]] = {}
@@ -36,8 +39,10 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None,
         key = (grad.device_mesh, grad.placements) if is_dtensor(grad) else None
         groups.setdefault(key, []).append(param)
     device = params[0].device if params else None
+    skip = {id(param) for param in uncounted}
+    counted = [[param for param in group if id(param) not in skip] for group in groups.values()]
     norms = []
-    for group in groups.values():
+    for group in filter(None, counted):
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         norms.append(norm.full_tensor() if is_dtensor(norm) else norm)
     if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:

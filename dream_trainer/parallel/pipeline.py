@@ -80,9 +80,13 @@ def split_model(model: nn.Module, stage_ids: Sequence[int], num_stages: int) -> 
     Returns:
         One module per entry of ``stage_ids``, in that order.
 
+    A parameter shared by modules of different stages (an output layer tied to the
+    embedding) becomes one copy per stage; ``PipelineStages.connect_ties`` finds them and
+    ``PipelineStages.reduce_tied_gradients`` keeps the copies equal.
+
     Raises:
-        ValueError: if the model has no blocks, blocks in more than one container, fewer
-            blocks than stages, or a parameter shared by modules of different stages.
+        ValueError: if the model has no blocks, blocks in more than one container, or fewer
+            blocks than stages.
     """
     blocks = find_blocks(model)
     if not blocks:
@@ -105,7 +109,6 @@ def split_model(model: nn.Module, stage_ids: Sequence[int], num_stages: int) -> 
         )
     path = _path_to(model, container)
     owners = _entry_owners(container, [name for _, name, _ in blocks], num_stages)
-    _check_ties(model, path, owners, num_stages)
     stages = []
     for position, stage in enumerate(stage_ids):
         part = model if position == len(stage_ids) - 1 else copy.deepcopy(model)
@@ -114,30 +117,13 @@ def split_model(model: nn.Module, stage_ids: Sequence[int], num_stages: int) -> 
     return stages
 
 
-def _check_ties(model: nn.Module, path: list[str], owners: dict[str, int],
-                num_stages: int) -> None:
-    """Refuse a parameter shared by modules that different stages run (an output layer tied
-    to the embedding): each stage would train a copy of its own, and they would drift apart."""
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that several places of ``model`` share, in
+    ``named_parameters`` order (the first name is the one a one-process optimizer keys)."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    tied = [group for group in names.values() if len(group) > 1]
-    if not tied:
-        return
-    held = []
-    for stage in range(num_stages):
-        part = copy.deepcopy(model)  # on the meta device, as split_model's own copies
-        _prune(part, path, owners, stage, num_stages)
-        held.append({name for name, _ in part.named_parameters(remove_duplicate=False)})
-    for group in tied:
-        stages = [stage for stage in range(num_stages) if held[stage] & set(group)]
-        if len(stages) > 1:
-            raise ValueError(
-                f"{' and '.join(group)} are one tied parameter, but pipeline stages "
-                f"{', '.join(map(str, stages))} run them: each stage would train its own copy. "
-                "Untie them (give each module its own weight) or override "
-                "apply_pipeline_parallel(pp_mesh)"
-            )
+        names.setdefault(id(param), []).append(clean_name(name))
+    return [group for group in names.values() if len(group) > 1]
 
 
 def _path_to(root: nn.Module, target: nn.Module) -> list[str]:
@@ -272,6 +258,24 @@ def _units(reference: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
     yield from walk("", reference)
 
 
+def _named(stage: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    for name, param in stage.named_parameters(remove_duplicate=False):
+        yield clean_name(name), param
+
+
+def _like_parameter(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """A gradient for ``param`` holding ``local`` (its shard, for a DTensor)."""
+    from dream_trainer.parallel.dtensor import is_dtensor
+
+    if not is_dtensor(param):
+        return local.clone()
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.clone(), param.device_mesh,  # type: ignore[attr-defined]
+                              param.placements, shape=param.shape,  # type: ignore[attr-defined]
+                              stride=param.stride())
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     from dream_trainer.parallel.dtensor import local_tensor
 
@@ -309,10 +313,13 @@ class PipelineStages(nn.Module):
         num_stages: The total number of stages.
         runner: What runs the schedule over these stages; None for a container that only
             holds them (``run`` is then an error).
+        ties: The names of each parameter the whole model shares between several places
+            (``tied_names``); ``connect_ties`` finds the ones different stages hold copies of.
     """
 
     def __init__(self, stages: Sequence[nn.Module], stage_ids: Sequence[int], num_stages: int,
-                 runner: PipelineRunner | None = None) -> None:
+                 runner: PipelineRunner | None = None,
+                 ties: Sequence[Sequence[str]] = ()) -> None:
         super().__init__()
         # A plain list, not a ModuleList: the stages' modules are registered once, through
         # the merged tree, under their own names.
@@ -320,7 +327,77 @@ class PipelineStages(nn.Module):
         self.stage_ids = list(stage_ids)
         self.num_stages = num_stages
         self.runner = runner
+        self.ties = [list(group) for group in ties]
+        # Per tied parameter held by several stages: this rank's copies, and the group of
+        # the ranks holding copies (None when they are all here).
+        self._tied_copies: list[tuple[list[nn.Parameter], Any]] = []
+        self._uncounted: list[nn.Parameter] = []
         _merge_into(self, [unwrap_stage(stage) for stage in stages])
+
+    def connect_ties(self, pp_group: Any | None) -> None:
+        """Find the tied parameters that several stages hold a copy of, over the pipeline
+        group (a collective on every pipeline rank; None when this process holds every
+        stage), and make the process groups that sum their gradients. The copy of the lowest
+        stage counts in the gradient norm.
+        """
+        import torch.distributed as dist
+
+        tied = {name for group in self.ties for name in group}
+        held = {stage_id: {name: param for name, param in _named(stage) if name in tied}
+                for stage_id, stage in zip(self.stage_ids, self.stages)}
+        mine = {stage_id: sorted(names) for stage_id, names in held.items()}
+        views: list[Any] = [mine]
+        ranks, me = [0], 0
+        if pp_group is not None:
+            views = [None] * dist.get_world_size(pp_group)
+            dist.all_gather_object(views, mine, group=pp_group)
+            ranks, me = dist.get_process_group_ranks(pp_group), dist.get_rank(pp_group)
+        for group in self.ties:
+            holders = {stage_id: rank for rank, view in enumerate(views)
+                       for stage_id, names in view.items() if set(names) & set(group)}
+            if len(holders) < 2:
+                continue  # one stage runs every place of it: still one parameter there
+            # This rank's copies, by stage; a stage holds one parameter for all its names.
+            copies = [(stage_id, next(param for name, param in held[stage_id].items()
+                                    if name in group))
+                    for stage_id in sorted(holders) if stage_id in held]
+            pp_ranks = sorted(set(holders.values()))
+            process_group = None
+            if len(pp_ranks) == len(ranks):
+                process_group = pp_group
+            elif len(pp_ranks) > 1 and me in pp_ranks:
+                process_group = dist.new_group([ranks[rank] for rank in pp_ranks],
+                                               use_local_synchronization=True)
+            if copies:
+                self._tied_copies.append(([param for _, param in copies], process_group))
+                self._uncounted += [param for stage_id, param in copies
+                                    if stage_id != min(holders)]
+
+    def reduce_tied_gradients(self) -> None:
+        """Give every copy of a parameter tied across stages the sum of the copies'
+        gradients (what the one shared parameter of one process gets), before clipping and
+        the step: the copies then stay equal."""
+        import torch.distributed as dist
+
+        for copies, process_group in self._tied_copies:
+            grads = [_local(param.grad) if param.grad is not None
+                     else torch.zeros_like(_local(param)) for param in copies]
+            total = grads[0].clone()
+            for grad in grads[1:]:
+                total += grad
+            if process_group is not None:
+                dist.all_reduce(total, group=process_group)
+            for param, grad in zip(copies, grads):
+                if param.grad is None:
+                    param.grad = _like_parameter(param, total)
+                else:
+                    grad.copy_(total)
+
+    @property
+    def uncounted_parameters(self) -> list[nn.Parameter]:
+        """The copies of tied parameters a gradient norm leaves out, so that it counts each
+        once (another stage's copy counts)."""
+        return list(self._uncounted)
 
     @property
     def has_first_stage(self) -> bool:

@@ -150,7 +150,8 @@ class StepAPI(AbstractTrainer):
         """Turn the window's gradients into one update, in named stages: ``pre_optimizer_step``
         hooks (where fault tolerance averages across replica groups), unscale (float16),
         normalize by the window's items (after ``backward(loss, num_items=n)``: the mean over
-        every item of the global batch), clip, apply (``optimizer_step``, the override point
+        every item of the global batch), sum the gradients of a weight tied across pipeline
+        stages into each stage's copy, clip, apply (``optimizer_step``, the override point
         for mixins that decide whether an update happens), zero the gradients, step the
         scheduler, ``post_optimizer_step`` hooks.
 
@@ -177,6 +178,7 @@ class StepAPI(AbstractTrainer):
         self._fire("pre_optimizer_step", model, optimizer)
         self.precision.unscale_(optimizer)
         self._normalize_items(model)
+        self._sum_tied_copies(model)
         grad_norm = self._clip(model)
         self.optimizer_step(optimizer)
         optimizer.zero_grad(set_to_none=True)
@@ -191,10 +193,16 @@ class StepAPI(AbstractTrainer):
                 model.parameters(), None if dp_mesh is None else dp_mesh.get_group(),
                 self.world.dp_size)
 
+    def _sum_tied_copies(self, model: nn.Module) -> None:
+        if isinstance(model, PipelineStages):  # a weight tied across stages: one per stage
+            model.reduce_tied_gradients()
+
     def _clip(self, model: nn.Module) -> torch.Tensor:
         pp_mesh = self.world.get_mesh(MeshAxis.PP)
+        uncounted = model.uncounted_parameters if isinstance(model, PipelineStages) else ()
         return clip_grad_norm(model.parameters(), self.training_parameters.gradient_clip_val,
-                              pipeline_group=None if pp_mesh is None else pp_mesh.get_group())
+                              pipeline_group=None if pp_mesh is None else pp_mesh.get_group(),
+                              uncounted=uncounted)
 
     def _step_scheduler(self, optimizer: torch.optim.Optimizer,
                         scheduler: LRScheduler | None) -> None:

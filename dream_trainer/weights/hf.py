@@ -105,8 +105,11 @@ def write_index(out: Path, shards: list[list[str]], sizes: Mapping[str, int]) ->
 
 
 def tied_groups(model: nn.Module) -> dict[str, int]:
-    """State-dict key -> group number, for keys whose parameter another key shares."""
+    """State-dict key -> group number, for keys whose parameter another key shares (in the
+    whole model: a pipeline's stages may each hold a copy under one of the names)."""
     root = unwrap_ddp(model)
+    if isinstance(root, PipelineStages):
+        return {name: number for number, names in enumerate(root.ties) for name in names}
     by_param: dict[int, list[str]] = {}
     for name, param in root.named_parameters(remove_duplicate=False):
         by_param.setdefault(id(param), []).append(clean_name(name))

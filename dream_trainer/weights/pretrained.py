@@ -47,6 +47,8 @@ class _Fit:
     """How a source's keys meet a model's: what loads where, and what does not fit."""
 
     targets: dict[str, torch.Tensor] = field(default_factory=dict)
+    # (copy, loaded): a tied parameter's other copy on this rank, set from the loaded one.
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
@@ -161,6 +163,9 @@ class PretrainedWeights:
             except Exception as exc:
                 raise CheckpointError(f"failed to load {path} into model {name!r}: "
                                       f"{exc}") from exc
+            with torch.no_grad():
+                for copy, loaded in fit.copies:
+                    local_tensor(copy).copy_(local_tensor(loaded))
             logger.info("loaded %d tensors of model %s from %s", len(fit.targets), name, path)
             filled |= {local_tensor(tensor).data_ptr() for tensor in fit.targets.values()}
         unfilled = [tuple(tensor.shape) for tensor in map(local_tensor, expected)
@@ -227,11 +232,28 @@ def _match(name: str, model: nn.Module, source: _Source, map_key: KeyMap) -> _Fi
         else:
             claimed[key] = file_key
             fit.targets[storage_key] = state[key]
-    # A tied parameter is loaded once it is loaded under any of its names.
+    # A tied parameter is loaded once the files hold it under any of its names. A
+    # pipeline's stage may hold it under a name the files lack (the output layer of a model
+    # whose files keep only the embedding): that copy reads the tensor stored for another.
     groups = tied_groups(model)
-    loaded_groups = {groups[key] for key in claimed if key in groups}
+    stored = {}
+    for file_key, (storage_key, shape) in source.tensors.items():
+        key = map_key(name, file_key)
+        if key in groups:
+            stored.setdefault(groups[key], (storage_key, shape))
+    for key, tensor in state.items():
+        if key in claimed or groups.get(key, -1) not in stored:
+            continue
+        storage_key, shape = stored[groups[key]]
+        if tuple(tensor.shape) != shape:
+            fit.mismatched.append(f"{key} (file {shape}, model {tuple(tensor.shape)})")
+        elif storage_key not in fit.targets:
+            fit.targets[storage_key] = tensor
+        elif fit.targets[storage_key] is not tensor:
+            fit.copies.append((tensor, fit.targets[storage_key]))
+        claimed[key] = storage_key
     fit.missing = [f"{key} {tuple(tensor.shape)}" for key, tensor in state.items()
-                   if key not in claimed and groups.get(key, -1) not in loaded_groups]
+                   if key not in claimed]
     return fit
 
 

@@ -21,14 +21,15 @@ from dream_trainer.configs import DeviceParameters, TrainingParameters
 from dream_trainer.mixins import SetupConfigMixin, SetupMixin
 
 VOCAB, SEQ = 64, 16
-Architecture = Literal["llama", "gpt2", "qwen3"]
+Architecture = Literal["llama", "llama_tied", "gpt2", "qwen3"]
 
 
-def llama_config(layers: int = 2) -> LlamaConfig:
-    """Two layers, grouped-query attention (4 heads, 2 key/value heads), untied head."""
+def llama_config(layers: int = 2, tied: bool = False) -> LlamaConfig:
+    """Two layers, grouped-query attention (4 heads, 2 key/value heads), the head untied
+    (or tied to the embedding, as Llama-3.2-1B's)."""
     return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=2 * SEQ)
+                       max_position_embeddings=2 * SEQ, tie_word_embeddings=tied)
 
 
 def qwen3_config(layers: int = 4) -> Qwen3Config:
@@ -45,8 +46,8 @@ def gpt2_config() -> GPT2Config:
 
 
 def build(architecture: Architecture, layers: int = 2) -> nn.Module:
-    if architecture == "llama":
-        return LlamaForCausalLM(llama_config(layers))
+    if architecture in ("llama", "llama_tied"):
+        return LlamaForCausalLM(llama_config(layers, tied=architecture == "llama_tied"))
     if architecture == "qwen3":
         return Qwen3ForCausalLM(qwen3_config(layers))
     return GPT2LMHeadModel(gpt2_config())

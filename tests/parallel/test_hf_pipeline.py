@@ -1,9 +1,10 @@
-"""transformers decoders under a pipeline, with no user code for the split: a tiny Llama and a
-tiny Qwen3 (4 layers each, random "pretrained" weights saved by ``save_pretrained``) load
-through ``init_weights_from`` under pp=2 (1F1B, and Interleaved1F1B with 4 stages) on 2 ranks
-and under pp=2 x dp_shard=2 on 4, train 3 accumulation-2 steps through ``forward_backward``,
-and end with the weights of one process; the checkpoint a pipeline wrote exports to a
-directory ``from_pretrained`` loads, giving the trained model's logits.
+"""transformers decoders under a pipeline, with no user code for the split: a tiny Llama, a
+tiny Qwen3 and a tiny Llama whose head is tied to its embedding (4 layers each, random
+"pretrained" weights saved by ``save_pretrained``) load through ``init_weights_from`` under
+pp=2 (1F1B, and Interleaved1F1B with 4 stages) on 2 ranks and under pp=2 x dp_shard=2 on 4,
+train 3 accumulation-2 steps through ``forward_backward``, and end with the weights of one
+process; the checkpoint a pipeline wrote exports to a directory ``from_pretrained`` loads,
+giving the trained model's logits (and tying the head again).
 
 Tolerance: a pipeline adds its microbatches' gradients in another order than one process,
 which moves float32 weights by ~1e-8 and step losses by ~5e-7; 1e-6 (the issue's bound)
@@ -29,7 +30,8 @@ from tests.helpers.launch import REPO, check, child_env, torchrun
 pytestmark = pytest.mark.distributed
 
 SCRIPT = REPO / "tests/scripts/hf_pipeline_run.py"
-ARCHITECTURES = ["llama", "qwen3"]
+ARCHITECTURES = ["llama", "qwen3", "llama_tied"]
+TIED = ("model.embed_tokens.weight", "lm_head.weight")
 TWO_RANKS = ["pp2_1f1b", "pp2_interleaved"]
 ATOL = 1e-6
 
@@ -61,8 +63,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def max_error(run: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    assert run.keys() == reference.keys()  # every parameter, under the model's own names
-    return max(float((run[name] - tensor).abs().max()) for name, tensor in reference.items())
+    # Every parameter, under the model's own names; a pipeline holds a tied weight's copies
+    # under both names (checked against each other below).
+    assert run.keys() - set(TIED[1:]) == reference.keys() - set(TIED[1:])
+    return max(float((run[name] - tensor).detach().abs().max())
+               for name, tensor in reference.items())
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -85,6 +90,15 @@ def test_pipelined_decoder_trains_like_one_process(runs: dict[str, Any], arch: s
     assert max_error(run["final"], single["final"]) < ATOL
     # The logged step loss is the whole step's: both micro-batches, every data rank.
     torch.testing.assert_close(run["step_losses"], single["step_losses"], rtol=0, atol=ATOL)
+    # The norm of the whole model's gradient: a tied weight counts once.
+    torch.testing.assert_close(run["grad_norms"], single["grad_norms"], rtol=0, atol=ATOL)
+    if arch == "llama_tied":
+        # The first stage's embedding and the last stage's head, after every step: one
+        # parameter (their gradients were summed before the step), as in one process.
+        assert len(run["tied_copies"]) == 3
+        for copies in run["tied_copies"]:
+            assert torch.equal(copies[TIED[0]], copies[TIED[1]])
+        assert max_error(run["tied_copies"][-1], single["tied_copies"][-1]) < ATOL
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -95,9 +109,12 @@ def test_a_pipelines_checkpoint_exports_to_from_pretrained(runs: dict[str, Any],
     assert cli(["export", str(run["checkpoint"]), str(out), "--format", "hf",
                 "--config-from", str(run["pretrained"])]) == 0
     exported = AutoModelForCausalLM.from_pretrained(out)
-    assert max_error(dict(exported.named_parameters()), run["final"]) == 0
+    assert max_error(run["final"], dict(exported.named_parameters())) == 0
+    if arch == "llama_tied":
+        assert exported.lm_head.weight is exported.model.embed_tokens.weight
     # The one process's trained model, rebuilt from its final weights.
     reference = build(arch, layers=4)  # type: ignore[arg-type]
-    reference.load_state_dict(single["final"])
+    missing = reference.load_state_dict(single["final"], strict=False).missing_keys
+    assert missing == (["lm_head.weight"] if arch == "llama_tied" else [])  # tied: one tensor
     torch.testing.assert_close(logits(exported, fixed_batch()),
                                logits(reference, fixed_batch()), atol=1e-5, rtol=0)

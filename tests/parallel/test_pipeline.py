@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dream_trainer.configs import DeviceParameters
+from dream_trainer.parallel.grad_norm import clip_grad_norm
 from dream_trainer.parallel.materialize import materialize
 from dream_trainer.parallel.pipeline import (PipelineStages, describe_stage, materialize_stages,
-                                             split_model, stage_ids)
+                                             split_model, stage_ids, tied_names)
 from dream_trainer.parallel.pipeline_schedule import PipelineRunner
 from tests.helpers.toy import ToyTrainer, toy_config
 from tests.helpers.transformer import TinyTransformer
@@ -93,12 +94,30 @@ def test_models_the_default_split_cannot_handle_say_to_override(
     assert "apply_pipeline_parallel" in str(info.value) or "fewer stages" in str(info.value)
 
 
-def test_a_weight_tied_across_stages_is_refused_and_one_within_a_stage_is_not() -> None:
+def test_a_weight_tied_across_stages_becomes_one_copy_per_stage_summed_before_the_step() -> None:
     tied = meta_transformer(4)
     tied.head.weight = tied.embed.weight  # (32, 16) both: the output layer tied to the input
-    with pytest.raises(ValueError, match=r"embed.weight and head.weight are one tied parameter, "
-                                         r"but pipeline stages 0, 1 run them"):
-        split_model(tied, [0], 2)
+    assert tied_names(tied) == [["embed.weight", "head.weight"]]
+    first, last = split_model(tied, [0, 1], 2)
+    assert first.embed.weight is not last.head.weight  # a copy on each stage
+    for stage in (first, last):
+        stage.to_empty(device="cpu")
+    # One process holding both stages (as rank 0 of a V schedule does): the copies' sum.
+    stages = PipelineStages([first, last], [0, 1], 2, ties=[["embed.weight", "head.weight"]])
+    stages.connect_ties(None)
+    first.embed.weight.grad = torch.full((32, 16), 1.0)
+    last.head.weight.grad = torch.full((32, 16), 2.0)
+    stages.reduce_tied_gradients()
+    assert torch.equal(first.embed.weight.grad, torch.full((32, 16), 3.0))
+    assert torch.equal(last.head.weight.grad, torch.full((32, 16), 3.0))
+    # The norm counts the first stage's copy only: sqrt(32 * 16 * 9), not twice that square.
+    assert stages.uncounted_parameters == [last.head.weight]
+    for param in stages.parameters():
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    norm = clip_grad_norm(stages.parameters(), None, uncounted=stages.uncounted_parameters)
+    assert float(norm) == pytest.approx((32 * 16 * 9) ** 0.5)
+
     within = meta_transformer(4)
     within.layers[1].q.weight = within.layers[0].q.weight  # both blocks on stage 0 of 2
     first, _ = split_model(within, [0, 1], 2)

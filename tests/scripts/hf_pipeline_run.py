@@ -33,6 +33,7 @@ LAYOUTS = {
     "pp2_fsdp2": (DeviceParameters(dp_replicate=1, pipeline_parallel=2, dp_shard=2), 2),
 }
 STEP_SAMPLES, ACCUMULATION = 8, 2
+TIED = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def causal_lm_loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
@@ -58,11 +59,16 @@ class Run(HFTrainer, CheckpointMixin):
         super().post_setup()
         self.initial = gathered(dict(self.model.named_parameters()))
         self.step_losses: list[dict[str, float]] = []
+        self.tied_copies: list[dict[str, torch.Tensor]] = []
 
     def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
         super().post_train_batch(result, batch_idx)
-        if not self.is_accumulating_gradients:  # a collective, on every rank
+        if not self.is_accumulating_gradients:  # collectives, on every rank
             self.step_losses.append(self.reduce_step_result())
+            if self.config.architecture == "llama_tied":  # each stage's copy, after the step
+                self.tied_copies.append(gathered(
+                    {name: param for name, param in self.model.named_parameters(
+                        remove_duplicate=False) if name in TIED}))
 
     def post_fit(self) -> None:
         super().post_fit()
@@ -82,7 +88,9 @@ def run(root: str, spec: str) -> dict[str, Any]:
     trainer.fit()
     return {"initial": trainer.initial, "final": trainer.final,
             "step_losses": [entry["loss"] for entry in trainer.step_losses],
+            "grad_norms": [entry["grad_norm"] for entry in trainer.step_losses],
             "global_step": trainer.global_step, "model_type": type(trainer.model).__name__,
+            "tied_copies": trainer.tied_copies,
             "checkpoint": trainer.checkpoint_dir / f"step_{trainer.global_step}"}
 
 
