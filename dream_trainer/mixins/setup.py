@@ -66,8 +66,8 @@ class SetupMixin(ParallelizeModels):
     0. ``apply_pipeline_parallel(pp_mesh)`` when ``pipeline_parallel > 1``: the model is split
        into stages, steps 1-4 run once per stage of this rank (with the model attribute
        bound to that stage), and the model attribute becomes a ``PipelineStages`` holding
-       them; materialization gives the weights a one-process run would have (DDP replicas
-       of stages are refused: they shard with FSDP2);
+       them; materialization gives the weights a one-process run would have, also with the
+       user's ``init_weights()`` (DDP replicas of stages are refused: they shard with FSDP2);
     1. ``apply_tensor_parallel(tp_mesh)`` when ``tensor_parallel > 1``;
     2. ``apply_activation_checkpointing()`` when ``checkpoint_activations``;
     3. ``apply_compile()`` when ``compile_model``;
