@@ -196,10 +196,13 @@ def test_live_groups_keep_training_while_a_killed_group_restarts_and_recovers(
             replica_groups(tmp_path, groups, nproc, min_replicas, address,
                            ["--stop-file", str(stop_file), "--step-delay", "0.02",
                             "--callbacks"]) as started:
-        # Killed once every group trains (a group that started late joins by recovering).
+        # Killed once every group trains, each for at least two steps with all the others
+        # (a group that started late under load joins by recovering; after one step only it
+        # could have joined at the very step of the kill).
         def all_training() -> bool:
             return started[victim].last_step() >= KILL_AT_STEP and all(
-                any(r["participants"] == groups for r in group.records()) for group in started)
+                sum(r["participants"] == groups for r in group.records()) >= 2
+                for group in started)
 
         wait_for(all_training, 120, f"every group to train, and step {KILL_AT_STEP}", started)
         old_pids = set(started[victim].worker_pids())
