@@ -18,10 +18,9 @@ from dream_trainer.parallel.materialize import (FullTensorInit, has_meta_tensors
                                                 parameters_named)
 from dream_trainer.parallel.hf_init import is_hf_model
 from dream_trainer.parallel.hf_pipeline import is_hf_decoder, split_hf_decoder
-from dream_trainer.parallel.pipeline import (PipelineStages, copy_into_stages,
-                                             materialize_stages, split_model, stage_ids,
-                                             tied_names)
+from dream_trainer.parallel.pipeline import PipelineStages, split_model, stage_ids, tied_names
 from dream_trainer.parallel.pipeline_schedule import PipelineRunner
+from dream_trainer.parallel.stage_init import copy_into_stages, materialize_stages
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.world.dims import MeshAxis
 

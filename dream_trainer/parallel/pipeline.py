@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-import math
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +24,6 @@ from typing_extensions import override
 
 from dream_trainer.configs.device import V_SCHEDULES, DeviceParameters, pipeline_layout
 from dream_trainer.parallel.blocks import find_blocks
-from dream_trainer.parallel.materialize import FullTensorInit, reset_module
 from dream_trainer.parallel.names import clean_name
 
 if TYPE_CHECKING:
@@ -107,7 +105,7 @@ def split_model(model: nn.Module, stage_ids: Sequence[int], num_stages: int) -> 
             f"{type(model).__name__} has {len(blocks)} blocks, too few for {num_stages} "
             "pipeline stages (pipeline_parallel x pipeline_stages_per_rank): use fewer stages"
         )
-    path = _path_to(model, container)
+    path = path_to(model, container)
     owners = _entry_owners(container, [name for _, name, _ in blocks], num_stages)
     stages = []
     for position, stage in enumerate(stage_ids):
@@ -126,7 +124,7 @@ def tied_names(model: nn.Module) -> list[list[str]]:
     return [group for group in names.values() if len(group) > 1]
 
 
-def _path_to(root: nn.Module, target: nn.Module) -> list[str]:
+def path_to(root: nn.Module, target: nn.Module) -> list[str]:
     """Child names leading from ``root`` to ``target`` (empty when they are the same)."""
     for name, module in root.named_modules():
         if module is target:
@@ -175,89 +173,6 @@ def _prune(model: nn.Module, path: list[str], owners: dict[str, int], stage: int
         node.__class__ = _StageSequential
 
 
-def materialize_stages(reference: nn.Module, stages: Sequence[nn.Module],
-                       device: torch.device, skip: Collection[str] = ()) -> None:
-    """Allocate ``stages`` on ``device`` and fill them with the values that initializing
-    ``reference`` (the whole model, on the meta device) in one process would give.
-
-    Every rank runs every module's ``reset_parameters()`` in ``modules()`` order, on one
-    block-sized piece of ``reference`` at a time, and keeps the tensors its stages hold (its
-    shard of them, for DTensors): the random generator advances as in a one-process run, so
-    a pipeline starts from exactly the weights the same seed gives without one. Tensors no
-    reset touched stay NaN for ``find_uninitialized`` to report, as do the parameters named
-    in ``skip`` (pretrained weights will set them; their draws are skipped, as
-    ``materialize`` skips them in one process). ``reference`` is consumed.
-    """
-    local = _allocate(stages, device)
-    for prefix, unit, recurse in _units(reference):
-        unit.to_empty(device=device, recurse=recurse)
-        skipped = [tensor for name, tensor in unit.named_parameters(prefix, recurse=recurse)
-                   if name in skip]
-        with FullTensorInit(skip=skipped):
-            for submodule in (unit.modules() if recurse else (unit,)):
-                reset_module(submodule)
-        tensors = itertools.chain(unit.named_parameters(prefix, recurse=recurse),
-                                  unit.named_buffers(prefix, recurse=recurse))
-        with torch.no_grad():
-            for name, full in tensors:
-                for target in local.get(name, ()):
-                    _copy_full(target, full)
-        unit.to_empty(device="meta", recurse=recurse)
-
-
-def copy_into_stages(reference: nn.Module, stages: Sequence[nn.Module]) -> None:
-    """Give ``stages`` (allocated) the values of ``reference``, the whole initialized model:
-    each tensor they hold, or its shard for a DTensor, is copied from the tensor of the same
-    name."""
-    values = dict(itertools.chain(reference.named_parameters(remove_duplicate=False),
-                                  reference.named_buffers(remove_duplicate=False)))
-    with torch.no_grad():
-        for stage in stages:
-            named = itertools.chain(stage.named_parameters(remove_duplicate=False),
-                                    stage.named_buffers(remove_duplicate=False))
-            for name, tensor in named:
-                _copy_full(tensor, values[clean_name(name)])
-
-
-def _allocate(stages: Sequence[nn.Module], device: torch.device) -> dict[str, list[torch.Tensor]]:
-    """Allocate ``stages`` on ``device``, floating tensors NaN; their tensors by clean name."""
-    local: dict[str, list[torch.Tensor]] = {}
-    for stage in stages:
-        stage.to_empty(device=device)
-        named = itertools.chain(stage.named_parameters(remove_duplicate=False),
-                                stage.named_buffers(remove_duplicate=False))
-        with torch.no_grad():
-            for name, tensor in named:
-                if tensor.is_floating_point():
-                    _local(tensor).fill_(math.nan)
-                local.setdefault(clean_name(name), []).append(tensor)
-    return local
-
-
-def _units(reference: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
-    """``(prefix, module, recurse)`` covering ``reference.modules()`` in order: the modules
-    above the blocks one by one, every other subtree (a block, an embedding) whole."""
-    blocks = find_blocks(reference)
-    above: set[int] = set()
-    if blocks:
-        path = _path_to(reference, blocks[0][0])
-        node = reference
-        above.add(id(node))
-        for name in path:
-            node = node._modules[name]  # type: ignore[assignment]
-            above.add(id(node))
-
-    def walk(prefix: str, module: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
-        if id(module) not in above:
-            yield prefix, module, True
-            return
-        yield prefix, module, False
-        for name, child in module.named_children():
-            yield from walk(f"{prefix}.{name}" if prefix else name, child)
-
-    yield from walk("", reference)
-
-
 def _named(stage: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     for name, param in stage.named_parameters(remove_duplicate=False):
         yield clean_name(name), param
@@ -280,20 +195,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     from dream_trainer.parallel.dtensor import local_tensor
 
     return local_tensor(tensor)
-
-
-def _copy_full(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy ``full`` into ``target``, or its local shard when ``target`` is a DTensor."""
-    from dream_trainer.parallel.dtensor import is_dtensor
-
-    if is_dtensor(target):
-        from torch.distributed.tensor import distribute_tensor
-
-        mesh, placements = target.device_mesh, target.placements  # type: ignore[attr-defined]
-        shard = distribute_tensor(full, mesh, placements, src_data_rank=None)
-        target.to_local().copy_(shard.to_local())  # type: ignore[attr-defined]
-    else:
-        target.copy_(full)
 
 
 class PipelineStages(nn.Module):

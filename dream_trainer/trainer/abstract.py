@@ -165,8 +165,8 @@ class AbstractTrainer(TrainerHooks, ABC):
         a counter), the same on every rank: saved once, restored to every rank.
 
         Tensors, builtin containers and scalars, in any structure (a class of your own once
-        listed in ``checkpoint_parameters.trusted_globals``); it comes back exactly as saved. A mixin that overrides this merges its entries into
-        ``super().extra_state_dict()``.
+        listed in ``checkpoint_parameters.trusted_globals``); it comes back exactly as saved.
+        A mixin that overrides this merges its entries into ``super().extra_state_dict()``.
         """
         return {}
 

@@ -13,9 +13,10 @@ from torch import nn
 from dream_trainer.configs import DeviceParameters
 from dream_trainer.parallel.grad_norm import clip_grad_norm
 from dream_trainer.parallel.materialize import materialize
-from dream_trainer.parallel.pipeline import (PipelineStages, describe_stage, materialize_stages,
-                                             split_model, stage_ids, tied_names)
+from dream_trainer.parallel.pipeline import (PipelineStages, describe_stage, split_model,
+                                             stage_ids, tied_names)
 from dream_trainer.parallel.pipeline_schedule import PipelineRunner
+from dream_trainer.parallel.stage_init import materialize_stages
 from tests.helpers.toy import ToyTrainer, toy_config
 from tests.helpers.transformer import TinyTransformer
 

@@ -231,7 +231,8 @@ def run(mode: str) -> dict[str, Any]:
     val_losses = list(trainer.val_losses)
     # A pipeline validates after fit() too, in a process group of its own.
     after_fit = trainer.run_validation()["val_loss"] if mode == "1F1B" else None
-    return {"after_fit_val_loss": after_fit, "val_losses": val_losses, "initial": trainer.initial, "final": trainer.final, "losses": trainer.losses,
+    return {"after_fit_val_loss": after_fit, "val_losses": val_losses,
+            "initial": trainer.initial, "final": trainer.final, "losses": trainer.losses,
             "grad_norms": trainer.grad_norms,
             "val_accuracy": trainer.val_accuracy, "global_step": trainer.global_step,
             "model_type": type(trainer.model).__name__,
