@@ -17,8 +17,8 @@ from dream_trainer.parallel.data_parallel import DDPBackend
 from dream_trainer.parallel.materialize import (FullTensorInit, has_meta_tensors, materialize,
                                                 parameters_named)
 from dream_trainer.parallel.hf_init import is_hf_model
-from dream_trainer.parallel.hf_pipeline import is_hf_decoder, split_hf_decoder
-from dream_trainer.parallel.pipeline import PipelineStages, split_model, stage_ids, tied_names
+from dream_trainer.parallel.hf_pipeline import split_pipeline
+from dream_trainer.parallel.pipeline import PipelineStages, stage_ids, tied_names
 from dream_trainer.parallel.pipeline_schedule import PipelineRunner
 from dream_trainer.parallel.stage_init import copy_into_stages, materialize_stages
 from dream_trainer.trainer.abstract import AbstractTrainer
@@ -71,9 +71,8 @@ class ParallelizeModels(AbstractTrainer):
             device_parameters)``, in that order.
         """
         ids = stage_ids(pp_mesh.get_local_rank(), pp_mesh.size(), self.config.device_parameters)
-        model = getattr(self, _pipelined_model(self))
-        split = split_hf_decoder if is_hf_decoder(model) else split_model
-        return split(model, ids, self.world.dims.pp_stages)
+        return split_pipeline(getattr(self, _pipelined_model(self)), ids,
+                              self.world.dims.pp_stages)
 
     def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
         """Parallelize the models over ``tp_mesh`` (``parallelize_module``).

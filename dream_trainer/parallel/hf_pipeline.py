@@ -40,6 +40,14 @@ def is_hf_decoder(model: nn.Module) -> bool:
         and isinstance(getattr(inner, "embed_tokens", None), nn.Module)
 
 
+def split_pipeline(model: nn.Module, stage_ids: Sequence[int],
+                   num_stages: int) -> list[nn.Module]:
+    """The default split: ``split_hf_decoder`` for a ``transformers`` decoder, else
+    ``split_model``."""
+    split = split_hf_decoder if is_hf_decoder(model) else split_model
+    return split(model, stage_ids, num_stages)
+
+
 def split_hf_decoder(model: nn.Module, stage_ids: Sequence[int],
                      num_stages: int) -> list[nn.Module]:
     """Split a ``transformers`` decoder into pipeline stages; return the ones in ``stage_ids``.

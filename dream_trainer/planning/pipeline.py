@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from dream_trainer.configs.device import SINGLE_STAGE_SCHEDULES
 from dream_trainer.parallel.dtensor import full_value
-from dream_trainer.parallel.pipeline import split_model
+from dream_trainer.parallel.hf_pipeline import split_pipeline
 from dream_trainer.parallel.pipeline_schedule import LossFn, PipelineRunner, split_microbatches
 from dream_trainer.world.dims import MeshAxis
 
@@ -44,13 +44,21 @@ def boundary_shapes(reference: nn.Module, num_stages: int, inputs: tuple[Any, ..
     tensors): nothing is allocated. The stages run without tensor parallelism, so a stage
     that passes on a sequence shard (sequence parallelism) is sized as the full sequence.
     """
-    stages = split_model(copy.deepcopy(reference), list(range(num_stages)), num_stages)
+    stages = split_pipeline(copy.deepcopy(reference), list(range(num_stages)), num_stages)
     carried: Any = inputs
     shapes = {}
     for index, stage in enumerate(stages[:-1]):
         if dtype != torch.float32:
             stage.to(dtype)
-        output = stage(*carried) if index == 0 else stage(carried)
+        try:
+            output = stage(*carried) if index == 0 else stage(carried)
+        except (RuntimeError, NotImplementedError) as error:
+            raise RuntimeError(
+                f"dream-trainer plan cannot size the activations between the pipeline stages "
+                f"of {type(reference).__name__}: its stage {index} does not run on the meta "
+                f"device ({error}). This is a limit of the planner, not of the run (a "
+                "transformers decoder's mask code reads values): plan it without "
+                "pipeline_parallel") from error
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"pipeline stage {index} returned {type(output).__name__}: a stage "
                             "must return one tensor to pass on")
