@@ -87,14 +87,18 @@ def warmup_decay_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int,
         raise ValueError(f"decay={decay!r}: expected 'cosine', 'linear' or 'constant'")
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
-    total: list[int] = [] if callable(total_steps) else [total_steps]
+
+    def checked(steps: int) -> int:
+        if steps < warmup_steps:
+            raise ValueError(f"total_steps={steps} is less than warmup_steps={warmup_steps}: "
+                             "shorten the warmup")
+        return steps
+
+    total: list[int] = [] if callable(total_steps) else [checked(total_steps)]
 
     def total_now() -> int:
         if not total:
-            total.append(total_steps())  # type: ignore[operator]
-            if total[0] < warmup_steps:
-                raise ValueError(f"total_steps={total[0]} is less than warmup_steps="
-                                 f"{warmup_steps}: shorten the warmup")
+            total.append(checked(total_steps()))  # type: ignore[operator]
         return total[0]
 
     def factor(step: int) -> float:
@@ -110,7 +114,4 @@ def warmup_decay_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int,
             shape = float(total_now() - step) / float(max(1, total_now() - warmup_steps))
         return max(0.0, shape * (1.0 - min_lr_ratio) + min_lr_ratio)
 
-    if total and total[0] < warmup_steps:
-        raise ValueError(f"total_steps={total[0]} is less than warmup_steps={warmup_steps}: "
-                         "shorten the warmup")
     return LambdaLR(optimizer, factor)

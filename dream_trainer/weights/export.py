@@ -15,8 +15,8 @@ from dream_trainer.checkpoint.layout import (MODEL_PREFIX, CheckpointError, is_c
                                              verify_files)
 from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.weights.hf import (DEFAULT_MAX_SHARD_BYTES, ExportFormat, exported_names,
-                                         plan_shards, replace_weights, shard_file_names,
-                                         write_index)
+                                      plan_shards, replace_weights, shard_file_names,
+                                      write_index)
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
@@ -49,8 +49,6 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
         CheckpointError: if the checkpoint is incomplete or damaged, or holds no weights.
         ValueError: for an unknown format, or two keys mapped to the same name.
     """
-    # Imported here: torch.distributed.checkpoint takes about a second to import.
-
     if format not in ("hf", "safetensors"):
         raise ValueError(f"format={format!r}: expected 'safetensors' (one file per model) or "
                          "'hf' (the Hugging Face layout)")
