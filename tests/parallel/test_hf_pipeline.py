@@ -3,8 +3,8 @@ tiny Qwen3 and a tiny Llama whose head is tied to its embedding (4 layers each, 
 "pretrained" weights saved by ``save_pretrained``) load through ``init_weights_from`` under
 pp=2 (1F1B, and Interleaved1F1B with 4 stages) on 2 ranks and under pp=2 x dp_shard=2 on 4
 (Qwen3 and the tied Llama), train 3 accumulation-2 steps through ``forward_backward``, and
-end with the weights of one process; the checkpoint a pipeline wrote exports to a directory ``from_pretrained`` loads,
-giving the trained model's logits (and tying the head again).
+end with the weights of one process; the checkpoint a pipeline wrote exports to a directory
+``from_pretrained`` loads, giving the trained model's logits (and tying the head again).
 
 Tolerance: a pipeline adds its microbatches' gradients in another order than one process,
 which moves float32 weights by ~1e-8 and step losses by ~5e-7; 1e-6 (the issue's bound)
