@@ -50,11 +50,7 @@ class GarbageCollection(Callback):
         gc.collect()
 
     @override
-    def post_fit(self) -> None:
-        self._restore()
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
+    def teardown(self) -> None:
         self._restore()
 
     def _restore(self) -> None:

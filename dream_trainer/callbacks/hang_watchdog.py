@@ -83,11 +83,7 @@ class HangWatchdog(Callback):
         self._last_progress = time.monotonic()
 
     @override
-    def post_fit(self) -> None:
-        self._halt()
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
+    def teardown(self) -> None:
         self._halt()
 
     # -- the watcher thread --------------------------------------------------------------------

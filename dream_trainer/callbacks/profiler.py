@@ -69,11 +69,7 @@ class Profiler(Callback):
         self._maybe_start()
 
     @override
-    def post_fit(self) -> None:
-        self._stop()
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
+    def teardown(self) -> None:
         self._stop()
 
     # -- profiling -----------------------------------------------------------------------------

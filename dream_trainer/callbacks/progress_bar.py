@@ -164,11 +164,7 @@ class ProgressBar(RankZeroCallback):
         self._print(f"{where}: {values}")
 
     @override
-    def post_fit(self) -> None:
-        self._stop_live()
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
+    def teardown(self) -> None:
         self._stop_live()
 
     # -- measuring and rendering ------------------------------------------------------------------

@@ -22,7 +22,7 @@ from dream_trainer.trainer.epoch_plan import plan_train_steps
 from dream_trainer.trainer.item_weighting import ItemWeighting
 from dream_trainer.trainer.loop_state import LoopState
 from dream_trainer.trainer.phases import (CLOSING_PHASES, call_through, check_config_mixins,
-                                          run_phase)
+                                          run_phase, runs_on)
 from dream_trainer.trainer.schedulers import planned_optimizer_steps
 from dream_trainer.trainer.step_api import StepAPI
 from dream_trainer.trainer.validation import ValidationLoop, check_result, stop_is_an_error
@@ -431,6 +431,10 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
         )
         for optimizer in self.named_optimizers().values():
             optimizer.zero_grad(set_to_none=True)
+
+    @runs_on("teardown")
+    def _teardown_callbacks(self) -> None:
+        self.callbacks.teardown()
 
     # -- helpers ----------------------------------------------------------------------------------
     def _fire(self, hook: str, *args: Any) -> None:

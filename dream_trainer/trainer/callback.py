@@ -32,6 +32,16 @@ class Callback(TrainerHooks, Generic[TrainerT]):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
 
+    def teardown(self) -> None:
+        """Release what the callback holds (a thread, a profiler, a live display, a changed
+        global setting), once, whichever way the run ends.
+
+        Runs after ``post_fit`` or ``on_exception``, while the process group still exists,
+        with the trainer's own teardown (also for a tool that called ``set_up()``), and even
+        when another callback's teardown failed. It may run without any hook having run
+        before it, and must not call collectives: another rank may already have failed.
+        """
+
     @classmethod
     def trainer_requirements(cls) -> tuple[Any, ...]:
         """The trainer types named in ``Callback[...]`` anywhere in this class's bases."""

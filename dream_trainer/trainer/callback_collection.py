@@ -32,6 +32,7 @@ class CallbackCollection(TrainerHooks):
 
     def __init__(self, callbacks: Iterable[Callback[Any]] = ()) -> None:
         self._callbacks: list[Callback[Any]] = []
+        self._active: list[Callback[Any]] = []  # attached and running on this rank
         self._listeners: dict[str, list[Callable[..., None]]] = {name: [] for name in HOOK_NAMES}
         for callback in callbacks:
             self.append(callback)
@@ -83,10 +84,12 @@ class CallbackCollection(TrainerHooks):
                 )
         for listeners in self._listeners.values():
             listeners.clear()
+        self._active.clear()
         for callback in self._callbacks:
             callback.trainer = trainer
             if callback.rank_zero_only and not trainer.world.is_rank_zero:
                 continue
+            self._active.append(callback)
             for name in callback.overridden_hooks():
                 self._listeners[name].append(getattr(callback, name))
 
@@ -97,6 +100,20 @@ class CallbackCollection(TrainerHooks):
             KeyError: if ``hook`` is not a declared hook name.
         """
         return self._listeners[hook]
+
+    def teardown(self) -> None:
+        """Run every attached callback's ``teardown()``, each even if another raises; then
+        raise the first error."""
+        first_error: BaseException | None = None
+        for callback in self._active:
+            try:
+                callback.teardown()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others ran
+                first_error = first_error or exc
+                logger.error("%s.teardown() failed: %s: %s", type(callback).__qualname__,
+                             type(exc).__name__, exc)
+        if first_error is not None:
+            raise first_error
 
     def _keys(self) -> list[str]:
         seen: dict[str, int] = {}
