@@ -275,7 +275,7 @@ class CharGPTTrainer(DreamTrainer):
             print(f"{n_params:,} parameters {held}; "
                   f"starting at step {self.global_step}", flush=True)
         # The loss before the first step (or, resumed, at the checkpoint), for comparison.
-        self.run_validation(max_batches=self.config.training_parameters.val_steps_per_epoch)
+        self.evaluate(max_batches=self.config.training_parameters.val_steps_per_epoch)
 
     @override
     def post_val_epoch(self, result: dict[str, Any]) -> None:

@@ -155,7 +155,7 @@ class FinetuneTrainer(DreamTrainer):
         super().pre_fit()
         if self.world.is_rank_zero:
             print(f"started from {Path(self.config.init_weights_from).resolve()}", flush=True)
-        self.run_validation(max_batches=self.config.training_parameters.val_steps_per_epoch)
+        self.evaluate(max_batches=self.config.training_parameters.val_steps_per_epoch)
 
     @override
     def post_val_epoch(self, result: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ class EarlyStopping(Callback):
     """Stop ``fit()`` on every rank when ``monitor`` has not improved for ``patience`` checks.
 
     A check happens after each of the loop's validation passes (sanity checks and extra
-    passes run by ``evaluate()`` or ``run_validation()`` excluded). A key missing from the
+    passes run by ``evaluate()`` excluded). A key missing from the
     validation results is looked up in the latest training epoch results, each of which is
     checked once; without a validation loader the check runs after each training epoch.
 

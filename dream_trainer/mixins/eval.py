@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -123,27 +122,6 @@ class EvalMixin(AbstractTrainer):
         if pipeline is not None:
             values = pipeline.runner.from_last_stage(values)
         return values
-
-    def evaluate(self, dataloader: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None
-                 ) -> dict[str, float]:
-        """Run a validation pass now and return its results, metrics included.
-
-        Usable from a hook during ``fit()`` and after it, in every parallel mode (see
-        ``run_validation``); the numbers are those of one process on the same weights and
-        data. The pass does not count as one of the loop's validations: ``EarlyStopping``
-        and checkpoint ranking ignore it.
-
-        Args:
-            dataloader: The loader, or ``{name: loader}`` for several sets (results prefixed
-                ``name/``), to evaluate on; the configured validation loader(s) when None.
-
-        Raises:
-            ValueError: if there is no loader to evaluate on.
-        """
-        if dataloader is None and self.val_dataloader is None:
-            raise ValueError("evaluate() needs a dataloader: pass one, or return a validation "
-                             "loader from configure_dataloaders")
-        return self.run_validation(dataloader)
 
 
 def _never() -> bool:

@@ -141,9 +141,9 @@ class AbstractTrainer(TrainerHooks, ABC):
         """Compute validation values for one batch (gradients are disabled)."""
 
     @abstractmethod
-    def run_validation(self, dataloader: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None,
-                       max_batches: int | None = None) -> dict[str, float]:
-        """Run one validation pass and return its averaged results."""
+    def evaluate(self, dataloader: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None,
+                 max_batches: int | None = None) -> dict[str, float]:
+        """Run one validation pass now and return its averaged results."""
 
     @abstractmethod
     def reduce_step_result(self) -> dict[str, float]:

@@ -39,25 +39,30 @@ class ValidationLoop(AbstractTrainer):
     """The name of the validation set being run (None for a single, unnamed loader)."""
 
     # -- public -------------------------------------------------------------------------------
-    def run_validation(self, dataloader: Loaders | None = None,
-                       max_batches: int | None = None) -> dict[str, float]:
-        """Run an extra validation pass now (hooks included) and return its results.
+    def evaluate(self, dataloader: Loaders | None = None,
+                 max_batches: int | None = None) -> dict[str, float]:
+        """Run a validation pass now (hooks included) and return its results.
 
         Usable from a hook during ``fit()`` and after it, in every parallel mode: outside
         ``fit()`` the process group and mesh are started again for the pass (the models keep
-        their layout) and torn down after it. ``evaluating`` is True during the pass, so
-        training-control callbacks (``EarlyStopping``) and checkpoint ranking ignore it. A
-        ``dataloader`` given here (or each of a mapping of them) is split across the
-        data-parallel ranks like the configured validation loader.
+        their layout) and torn down after it; the numbers are those of one process on the same
+        weights and data. ``evaluating`` is True during the pass, so training-control
+        callbacks (``EarlyStopping``) and checkpoint ranking ignore it. A ``dataloader`` given
+        here (or each of a mapping of them) is split across the data-parallel ranks like the
+        configured validation loader. With ``EvalMixin`` the results include its metrics.
 
         Args:
-            dataloader: The loader, or ``{name: loader}``, to validate on; the configured
-                validation loader(s) when None.
+            dataloader: The loader, or ``{name: loader}`` for several sets (results prefixed
+                ``name/``), to evaluate on; the configured validation loader(s) when None.
             max_batches: Stop each set after this many batches (every rank runs as many).
 
         Raises:
+            ValueError: if there is no loader to evaluate on.
             RuntimeError: if a hook raises ``StopTraining`` while no training is running.
         """
+        if dataloader is None and self.val_dataloader is None:
+            raise ValueError("evaluate() needs a dataloader: pass one, or return a validation "
+                             "loader from configure_dataloaders")
         if self.world.is_launched:
             return self._evaluation(dataloader, max_batches)
         self.world.launch()

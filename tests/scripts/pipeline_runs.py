@@ -230,7 +230,7 @@ def run(mode: str) -> dict[str, Any]:
     trainer.fit()
     val_losses = list(trainer.val_losses)
     # A pipeline validates after fit() too, in a process group of its own.
-    after_fit = trainer.run_validation()["val_loss"] if mode == "1F1B" else None
+    after_fit = trainer.evaluate()["val_loss"] if mode == "1F1B" else None
     return {"after_fit_val_loss": after_fit, "val_losses": val_losses,
             "initial": trainer.initial, "final": trainer.final, "losses": trainer.losses,
             "grad_norms": trainer.grad_norms,

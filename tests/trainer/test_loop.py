@@ -156,3 +156,18 @@ def test_a_model_without_trainable_parameters_stays_in_eval_mode_while_training(
     trainer = WithTeacher(toy_config())
     trainer.fit()
     assert trainer.modes == (True, False, False)
+
+
+class NoValidationLoader(ToyTrainer):
+    def configure_dataloaders(self) -> Any:
+        return super().configure_dataloaders()[0], None
+
+
+def test_evaluate_without_any_loader_names_the_fix() -> None:
+    trainer = NoValidationLoader(toy_config())
+    trainer.fit()
+    with pytest.raises(ValueError, match="evaluate\\(\\) needs a dataloader: pass one"):
+        trainer.evaluate()
+    loader = ToyTrainer.configure_dataloaders(trainer)[1]
+    result = trainer.evaluate(loader, max_batches=2)
+    assert list(result) == ["val_loss"] and torch.isfinite(torch.tensor(result["val_loss"]))
