@@ -349,6 +349,19 @@ class PipelineStages(nn.Module):
         return f"stages={self.stage_ids} of {self.num_stages}"
 
 
+def reduce_tied_gradients(model: nn.Module) -> None:
+    """Sum the gradients of each weight tied across pipeline stages into every copy (see
+    ``PipelineStages.reduce_tied_gradients``); nothing to do for any other model."""
+    if isinstance(model, PipelineStages):
+        model.reduce_tied_gradients()
+
+
+def uncounted_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters a gradient norm of ``model`` leaves out: the copies of a weight tied
+    across pipeline stages beyond the counted one; none for any other model."""
+    return model.uncounted_parameters if isinstance(model, PipelineStages) else []
+
+
 def describe_stage(stage: nn.Module) -> str:
     """What a stage runs, in the model's names: ``"embed, layers.0-1"``."""
     parts = []

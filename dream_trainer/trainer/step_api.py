@@ -13,7 +13,8 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from dream_trainer.parallel.dtensor import full_value
 from dream_trainer.parallel.grad_norm import clip_grad_norm
-from dream_trainer.parallel.pipeline import PipelineStages
+from dream_trainer.parallel.pipeline import (PipelineStages, reduce_tied_gradients,
+                                             uncounted_parameters)
 from dream_trainer.parallel.pipeline_schedule import LossFn
 from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainer
@@ -178,7 +179,7 @@ class StepAPI(AbstractTrainer):
         self._fire("pre_optimizer_step", model, optimizer)
         self.precision.unscale_(optimizer)
         self._normalize_items(model)
-        self._sum_tied_copies(model)
+        reduce_tied_gradients(model)
         grad_norm = self._clip(model)
         self.optimizer_step(optimizer)
         optimizer.zero_grad(set_to_none=True)
@@ -193,16 +194,11 @@ class StepAPI(AbstractTrainer):
                 model.parameters(), None if dp_mesh is None else dp_mesh.get_group(),
                 self.world.dp_size)
 
-    def _sum_tied_copies(self, model: nn.Module) -> None:
-        if isinstance(model, PipelineStages):  # a weight tied across stages: one per stage
-            model.reduce_tied_gradients()
-
     def _clip(self, model: nn.Module) -> torch.Tensor:
         pp_mesh = self.world.get_mesh(MeshAxis.PP)
-        uncounted = model.uncounted_parameters if isinstance(model, PipelineStages) else ()
         return clip_grad_norm(model.parameters(), self.training_parameters.gradient_clip_val,
                               pipeline_group=None if pp_mesh is None else pp_mesh.get_group(),
-                              uncounted=uncounted)
+                              uncounted=uncounted_parameters(model))
 
     def _step_scheduler(self, optimizer: torch.optim.Optimizer,
                         scheduler: LRScheduler | None) -> None:
