@@ -193,7 +193,7 @@ class SetupMixin(ParallelizeModels):
             if isinstance(model, DistributedDataParallel):
                 setattr(self, name, model.module)
             elif isinstance(model, PipelineStages):
-                model.release()
+                model.teardown()
         gc.collect()
 
     def build_models(self) -> None:

@@ -331,10 +331,10 @@ class PipelineStages(nn.Module):
                                "stages but cannot run a schedule")
         return self.runner.run(self.stages, inputs, target, loss_fn, loss_scale, sum_losses)
 
-    def release(self) -> None:
+    def teardown(self) -> None:
         """Drop the schedules (their stages hold process groups), so none outlives ``fit()``."""
         if self.runner is not None:
-            self.runner.release()
+            self.runner.teardown()
 
     @override
     def train(self, mode: bool = True) -> PipelineStages:

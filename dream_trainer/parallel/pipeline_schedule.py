@@ -71,7 +71,7 @@ class PipelineRunner:
         num_stages: The total number of stages.
         pp_size: The pipeline degree.
         pp_group: Returns the pipeline's process group. It is asked again after
-            ``release()``: a run validated after ``fit()`` has a new process group.
+            ``teardown()``: a run validated after ``fit()`` has a new process group.
         device: The device the stages run on.
     """
 
@@ -223,7 +223,7 @@ class PipelineRunner:
             self._group = self._pp_group()
         return self._group
 
-    def release(self) -> None:
+    def teardown(self) -> None:
         """Drop the schedules (and their stages' references to modules and groups)."""
         self._schedules.clear()
         self._group = None
