@@ -116,7 +116,7 @@ def _record_inputs(trainer: BaseTrainer, blocks: dict[str, nn.Module]
     window = list(itertools.islice(trainer.train_dataloader,
                                    trainer.training_parameters.gradient_accumulation_steps))
     try:
-        trainer.run_optimizer_step(window)
+        trainer.train_window(window)
     finally:
         for handle in handles:
             handle.remove()

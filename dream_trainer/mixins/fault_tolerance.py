@@ -192,13 +192,13 @@ class FaultTolerantMixin(BaseTrainer):
                 None if dp_mesh is None else dp_mesh.get_group(), group.sum_across_groups)
 
     @override
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def apply_update(self, optimizer: torch.optim.Optimizer) -> None:
         group = self._group
         committed = group.commit()
         self._last_step_committed = committed
         self._committed_steps, self._participants = group.committed_steps, group.participants
         if committed:
-            super().optimizer_step(optimizer)
+            super().apply_update(optimizer)
             return
         logger.warning("replica group %d: optimizer step %d did not commit (a peer failed "
                        "during it, or too few groups were live): its update is dropped",

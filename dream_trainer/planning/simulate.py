@@ -166,7 +166,7 @@ def _measure(trainer: BaseTrainer,
             with shapes.mode, comms, memory, warnings.catch_warnings():
                 # The comm mode's module hooks make torch warn about full backward hooks.
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
-                trainer.run_optimizer_step(batches)
+                trainer.train_window(batches)
             models = trainer.named_models().values()
             params = storages(itertools.chain.from_iterable(
                 itertools.chain(model.parameters(), model.buffers()) for model in models))

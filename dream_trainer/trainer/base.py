@@ -361,7 +361,7 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
         self._step_results.update(result, weight)
         self._fire("post_train_batch", result, batch_idx)
 
-    def run_optimizer_step(self, batches: Iterable[Any]) -> None:
+    def train_window(self, batches: Iterable[Any]) -> None:
         """Train on one accumulation window outside the epoch loop, after ``set_up()``.
 
         Each micro-batch takes the path an epoch gives it (gradient sync, device placement,
@@ -380,7 +380,7 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
         accumulation = self.training_parameters.gradient_accumulation_steps
         if len(window) != accumulation:
             raise ValueError(
-                f"run_optimizer_step() got {len(window)} micro-batches but one optimizer step "
+                f"train_window() got {len(window)} micro-batches but one optimizer step "
                 f"takes gradient_accumulation_steps={accumulation}"
             )
         self._set_train_mode(True)

@@ -152,7 +152,7 @@ class StepAPI(AbstractTrainer):
         hooks (where fault tolerance averages across replica groups), unscale (float16),
         normalize by the window's items (after ``backward(loss, num_items=n)``: the mean over
         every item of the global batch), sum the gradients of a weight tied across pipeline
-        stages into each stage's copy, clip, apply (``optimizer_step``, the override point
+        stages into each stage's copy, clip, apply (``apply_update``, the override point
         for mixins that decide whether an update happens), zero the gradients, step the
         scheduler, ``post_optimizer_step`` hooks.
 
@@ -181,7 +181,7 @@ class StepAPI(AbstractTrainer):
         self._normalize_items(model)
         reduce_tied_gradients(model)
         grad_norm = self._clip(model)
-        self.optimizer_step(optimizer)
+        self.apply_update(optimizer)
         optimizer.zero_grad(set_to_none=True)
         self._step_scheduler(optimizer, scheduler)
         self._fire("post_optimizer_step", model, optimizer)
@@ -212,7 +212,7 @@ class StepAPI(AbstractTrainer):
         if scheduler is not None:
             scheduler.step()
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def apply_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Apply the gradients: ``optimizer.step()``, through the gradient scaler with float16.
 
         ``step()`` calls this after clipping and before zeroing the gradients. A mixin that

@@ -38,14 +38,14 @@ def test_set_up_builds_what_fit_trains_and_leaves_teardown_to_the_caller() -> No
         assert list(trainer.named_models()) == ["model"] and trainer.named_optimizers()
         assert trainer.train_steps_per_epoch == 80 // 8 // 2
         before = [p.detach().clone() for p in trainer.model.parameters()]
-        trainer.run_optimizer_step(list(trainer.train_dataloader)[:2])
+        trainer.train_window(list(trainer.train_dataloader)[:2])
         assert (trainer.global_step, trainer.local_batches) == (1, 2)
         assert hooks.fired == ["post_setup", "post_optimizer_step"]  # one step, no fit hooks
         assert not trainer.training
         assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
         with pytest.raises(ValueError, match="got 1 micro-batches but one optimizer step "
                                              "takes gradient_accumulation_steps=2"):
-            trainer.run_optimizer_step(list(trainer.train_dataloader)[:1])
+            trainer.train_window(list(trainer.train_dataloader)[:1])
     finally:
         trainer.teardown()
         trainer.world.shutdown()
