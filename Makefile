@@ -26,10 +26,13 @@ demo: $(STAMP)
 
 # The Lightning environment is built for the tests too, so the Lightning side of the
 # benchmarks cannot rot unnoticed; the two environments are built side by side (about 35 s
-# less than one after the other).
+# less than one after the other). The suite runs in two workers, a test file at a time each
+# (its module fixtures run once): in-process tests use one thread and launches wait on
+# process start-up, so one worker left about a third of the 2 cores idle.
 test:
 	$(MAKE) --jobs=2 $(STAMP) $(BENCH_STAMP)
-	DREAM_BENCH_LIGHTNING_PYTHON=$(BENCH_VENV)/bin/python $(PY) -m pytest -q --durations=25
+	DREAM_BENCH_LIGHTNING_PYTHON=$(BENCH_VENV)/bin/python $(PY) -m pytest -q --durations=25 \
+		--numprocesses=2 --dist=loadfile
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site

@@ -16,7 +16,20 @@ REPO = Path(__file__).resolve().parents[2]
 # Ports are drawn below Linux's ephemeral range (32768-60999): a port the OS chose for bind(0)
 # is free only until some process's outgoing connection (gloo opens many) takes it as its
 # local port, before the launcher that was given it binds it.
-_PORTS = range(20_000, 32_000)
+_ALL_PORTS = range(20_000, 32_000)
+
+
+def _worker_ports(ports: range) -> range:
+    """The share of ``ports`` of this pytest-xdist worker (all of them without xdist): two
+    workers never draw the same port, whatever each has checked as free."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker.removeprefix("gw"))
+    share = len(ports) // count
+    return range(ports.start + index * share, ports.start + (index + 1) * share)
+
+
+_PORTS = _worker_ports(_ALL_PORTS)
 _given: set[int] = set()
 # Its own generator: a test that seeds `random` must not make two suites draw the same ports.
 _draw = random.Random()
