@@ -41,29 +41,35 @@ def boundary_shapes(reference: nn.Module, num_stages: int, inputs: tuple[Any, ..
 
     The unsplit model (on the meta device, as ``configure_models`` built it) is split into all
     its stages, cast to the compute ``dtype``, and run stage after stage on ``inputs`` (meta
-    tensors): nothing is allocated. The stages run without tensor parallelism, so a stage
-    that passes on a sequence shard (sequence parallelism) is sized as the full sequence.
+    tensors) under a fake tensor mode: nothing is allocated, and code that would read values
+    treats the run as a trace (transformers' mask code then skips its checks of the position
+    ids). The stages run without tensor parallelism, so a stage that passes on a sequence
+    shard (sequence parallelism) is sized as the full sequence.
     """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     stages = split_pipeline(copy.deepcopy(reference), list(range(num_stages)), num_stages)
-    carried: Any = inputs
     shapes = {}
-    for index, stage in enumerate(stages[:-1]):
-        if dtype != torch.float32:
-            stage.to(dtype)
-        try:
-            output = stage(*carried) if index == 0 else stage(carried)
-        except (RuntimeError, NotImplementedError) as error:
-            raise RuntimeError(
-                f"dream-trainer plan cannot size the activations between the pipeline stages "
-                f"of {type(reference).__name__}: its stage {index} does not run on the meta "
-                f"device ({error}). This is a limit of the planner, not of the run (a "
-                "transformers decoder's mask code reads values): plan it without "
-                "pipeline_parallel") from error
-        if not isinstance(output, torch.Tensor):
-            raise TypeError(f"pipeline stage {index} returned {type(output).__name__}: a stage "
-                            "must return one tensor to pass on")
-        shapes[index + 1] = (output.shape, output.dtype)
-        carried = output
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        carried: Any = tuple(mode.from_tensor(value) if isinstance(value, torch.Tensor)
+                             else value for value in inputs)
+        for index, stage in enumerate(stages[:-1]):
+            if dtype != torch.float32:
+                stage.to(dtype)
+            try:
+                output = stage(*carried) if index == 0 else stage(carried)
+            except (RuntimeError, NotImplementedError) as error:
+                raise RuntimeError(
+                    f"dream-trainer plan cannot size the activations between the pipeline "
+                    f"stages of {type(reference).__name__}: its stage {index} does not run on "
+                    f"fake tensors ({error}). This is a limit of the planner, not of the run "
+                    "(the stage's code reads tensor values): plan it without "
+                    "pipeline_parallel") from error
+            if not isinstance(output, torch.Tensor):
+                raise TypeError(f"pipeline stage {index} returned {type(output).__name__}: a "
+                                "stage must return one tensor to pass on")
+            shapes[index + 1] = (output.shape, output.dtype)
+            carried = output
     return shapes
 
 

@@ -29,7 +29,8 @@ class Sandbox(Callback[BaseTrainer]):
     every rank receives its name, so that a multi-rank checkpoint lands in one place (a
     simulated rank creates its own). The trainer's config is replaced (``replace_config``) by
     a copy in which every ``CheckpointParameters`` field
-    writes there, with no periodic saves and no resume, every ``LoggingParameters`` field is
+    writes there, with no periodic saves and no resume (and no checkpoint at all on a
+    simulated rank), every ``LoggingParameters`` field is
     disabled (no local files, no wandb run), and ``TrainingParameters`` get ``training``.
     Nothing the trainer does then reaches the directories the user configured.
 
@@ -51,17 +52,21 @@ class Sandbox(Callback[BaseTrainer]):
             dist.broadcast_object_list(holder, src=0)
         self.directory = Path(holder[0])  # type: ignore[arg-type]
         self.trainer.replace_config(_redirected(self.trainer.config, self.directory,
-                                                self.training))
+                                                self.training, world.simulated))
 
 
-def _redirected(config: Any, directory: Path, training: dict[str, Any]) -> Any:
+def _redirected(config: Any, directory: Path, training: dict[str, Any],
+                simulated: bool) -> Any:
     updates: dict[str, ConfigModel] = {}
     for name in type(config).model_fields:
         value = getattr(config, name)
         if isinstance(value, CheckpointParameters):
+            # A simulated rank writes no checkpoint: its process group moves no data, so the
+            # ranks could not agree on a directory lock or on what they wrote.
             updates[name] = value.model_copy(update={
                 "root_dir": directory, "every_n_steps": None, "every_n_epochs": None,
-                "keep_top_k": None, "resume": None, "load_weights_only": False})
+                "keep_top_k": None, "resume": None, "load_weights_only": False,
+                "enabled": value.enabled and not simulated})
         elif isinstance(value, LoggingParameters):
             updates[name] = value.model_copy(update={"enabled": False, "log_dir": directory})
         elif isinstance(value, TrainingParameters) and training:

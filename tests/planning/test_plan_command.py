@@ -118,6 +118,28 @@ def test_a_pipeline_plans_its_sends_on_the_pp_axis_and_needs_the_step_api(
     assert "call self.forward_backward(self.model" in capsys.readouterr().err
 
 
+def test_a_pipelined_tied_transformers_decoder_with_checkpoints_plans_on_every_rank(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # examples/finetune_hf.py: a DreamTrainer (checkpoints on) whose LlamaForCausalLM ties its
+    # head to its embedding, split by the default transformers split. Its mask code reads
+    # position ids on real tensors; the stage boundaries are sized on fake ones. The last
+    # rank plans too: a simulated rank takes no checkpoint lock (which would need rank 0).
+    monkeypatch.chdir(tmp_path)  # the example creates its stand-in model under outputs/
+    example = f"{REPO / 'examples' / 'finetune_hf.py'}:make_trainer"
+    tiny = ["--llama.hidden_size", "32", "--llama.intermediate_size", "64",
+            "--llama.num_hidden_layers", "2", "--llama.context", "32",
+            "--llama.tie_word_embeddings", "true"]
+    assert main(["plan", example, "--world-size", "8", "--json", "--",
+                 "--device_parameters.pipeline_parallel", "2", *tiny]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["mesh"] == {"pp": 2, "dp_shard": 4}
+    hidden = 8 // 2 * 32 * 32 * 4  # one pipeline microbatch's float32 hidden states
+    for rank in ("0", "7"):  # 2 microbatches: 2 activations and 2 gradients cross per rank
+        assert plan["ranks"][rank]["collectives"]["pp"]["bytes"] >= 4 * hidden
+        assert plan["ranks"][rank]["param_bytes"] > 0
+
+
 @pytest.mark.parametrize(("arguments", "message"), [
     (["--world-size", "8,x"], "is not a comma-separated list of world sizes"),
     (["--world-size", "8", "--device-memory", "80 parsecs"], "is not a memory size"),
