@@ -6,6 +6,8 @@
         --device_parameters.tensor_parallel 2
     torchrun --standalone --nproc_per_node=2 examples/finetune_hf.py \\
         --device_parameters.pipeline_parallel 2
+    torchrun --standalone --nproc_per_node=2 examples/finetune_hf.py \\
+        --device_parameters.pipeline_parallel 2 --llama.tie_word_embeddings true
     python examples/finetune_hf.py --init_weights_from path/to/a/save_pretrained/directory
 
 Nothing is downloaded. Unless ``--init_weights_from`` names a directory, the first run creates
@@ -25,7 +27,10 @@ What it shows:
 - ``training_step`` and ``validation_step`` go through ``forward_backward`` and
   ``forward_loss``, so the same code trains under ``pipeline_parallel > 1``: dream_trainer
   splits transformers' decoders into stages itself (embedding first, layers evenly, norm and
-  head last), and each rank reads only its stages' pretrained weights.
+  head last), and each rank reads only its stages' pretrained weights. With
+  ``--llama.tie_word_embeddings true`` the stand-in ties its output layer to its embedding
+  (in ``outputs/examples/finetune_hf/pretrained_tied``): the first and last stages each hold
+  the weight, their gradients are summed before every step, and the export ties them again.
 - At the end ``export_weights`` writes the fine-tuned weights in the Hugging Face layout
   (``model.safetensors`` and ``config.json``) to ``outputs/examples/finetune_hf/exported``;
   rank 0 loads them with ``AutoModelForCausalLM.from_pretrained`` and prints how far its
@@ -68,6 +73,13 @@ class LlamaShape(ConfigModel):
     num_key_value_heads: PositiveInt = 2
     context: PositiveInt = 128
     """Bytes per training window, and the model's maximum position."""
+    tie_word_embeddings: bool = False
+    """Share one weight between the embedding and the output layer, as Llama-3.2-1B does;
+    under a pipeline the first and last stages each hold a copy, kept equal."""
+
+    def stand_in_dir(self) -> Path:
+        """Where the stand-in model of this shape's kind is created."""
+        return OUTPUTS / ("pretrained_tied" if self.tie_word_embeddings else "pretrained")
 
 
 class FinetuneConfig(DreamTrainerConfig):
@@ -205,7 +217,8 @@ def ensure_pretrained(path: Path, shape: LlamaShape) -> None:
                          num_hidden_layers=shape.num_hidden_layers,
                          num_attention_heads=shape.num_attention_heads,
                          num_key_value_heads=shape.num_key_value_heads,
-                         max_position_embeddings=shape.context)
+                         max_position_embeddings=shape.context,
+                         tie_word_embeddings=shape.tie_word_embeddings)
     torch.manual_seed(0)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
@@ -233,10 +246,13 @@ def default_config() -> FinetuneConfig:
 
 def make_trainer(args: list[str] | None = None) -> FinetuneTrainer:
     """The example's trainer, with ``args`` (default: the command line) as config overrides;
-    creates the stand-in pretrained model when ``init_weights_from`` is the default."""
+    creates the stand-in pretrained model when ``init_weights_from`` is the default (a tied
+    one, in a directory of its own, with ``--llama.tie_word_embeddings true``)."""
     config = apply_cli_overrides(default_config(), args, description=__doc__)
     if config.init_weights_from == default_config().init_weights_from:
-        ensure_pretrained(Path(config.init_weights_from), config.llama)
+        stand_in = config.llama.stand_in_dir()
+        ensure_pretrained(stand_in, config.llama)
+        config = config.model_copy(update={"init_weights_from": stand_in})
     return FinetuneTrainer(config)
 
 

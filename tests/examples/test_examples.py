@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -237,3 +238,17 @@ def test_finetune_hf_starts_from_the_pretrained_weights_and_exports_what_it_trai
     assert piped_step == 15
     assert abs(piped_start - start) <= 1.5e-4 and abs(piped_end - end) <= 1.5e-4, piped
     assert float(re.search(r"loss differs by ([\d.e+-]+)", piped).group(1)) <= 1e-5
+    # The tied-embedding variant of the stand-in, pipelined: the embedding and the head are one
+    # weight held by both stages; it trains, and the export ties them again (from_pretrained
+    # loads one tensor and gives the trained loss).
+    tied = check(torchrun(FINETUNE_HF, [*TINY_LLAMA, *HF_SHORT_RUN, "--experiment", "tied",
+                                        "--device_parameters.pipeline_parallel", "2",
+                                        "--llama.tie_word_embeddings", "true",
+                                        "--export_dir", str(tmp_path / "tied")],
+                          nproc=2, cwd=tmp_path, timeout=300)).stdout
+    assert re.search(r"^started from (.+)$", tied, re.M).group(1) == str(
+        outputs / "pretrained_tied")
+    (_, tied_start), (tied_step, tied_end) = val_losses(tied)
+    assert tied_step == 15 and tied_end < tied_start - 1.0, tied
+    assert float(re.search(r"loss differs by ([\d.e+-]+)", tied).group(1)) <= 1e-5
+    assert json.loads((tmp_path / "tied" / "config.json").read_text())["tie_word_embeddings"]

@@ -4,7 +4,9 @@ tiny Qwen3 and a tiny Llama whose head is tied to its embedding (4 layers each, 
 pp=2 (1F1B, and Interleaved1F1B with 4 stages) on 2 ranks and under pp=2 x dp_shard=2 on 4
 (Qwen3 and the tied Llama), train 3 accumulation-2 steps through ``forward_backward``, and
 end with the weights of one process; the checkpoint a pipeline wrote exports to a directory
-``from_pretrained`` loads, giving the trained model's logits (and tying the head again).
+``from_pretrained`` loads, giving the trained model's logits (and tying the head again). The
+tied Llama also trains pipelined from a stateful stream with a token-weighted loss, equal to
+one process, and resumes bit-exactly after a SIGKILL.
 
 Tolerance: a pipeline adds its microbatches' gradients in another order than one process,
 which moves float32 weights by ~1e-8 and step losses by ~5e-7; 1e-6 (the issue's bound)
@@ -121,3 +123,54 @@ def test_a_pipelines_checkpoint_exports_to_from_pretrained(runs: dict[str, Any],
     assert missing == (["lm_head.weight"] if arch == "llama_tied" else [])  # tied: one tensor
     torch.testing.assert_close(logits(exported, fixed_batch()),
                                logits(reference, fixed_batch()), atol=1e-5, rtol=0)
+
+
+RESUME_SCRIPT = REPO / "tests/scripts/hf_pipeline_resume.py"
+
+
+def test_streamed_token_weighted_pipeline_equals_one_process_and_resumes_bit_exact(
+        tmp_path: Path) -> None:
+    # The tied Llama under a 1F1B pipeline reads an endless stream through a
+    # StatefulDataLoader and trains on a token-weighted loss (padded sequences: num_items
+    # differs between micro-batches) with SGD + momentum. Killed after step 5, it resumes
+    # from the step-3 checkpoint and must end as the uninterrupted run did: weights, tied
+    # copies, momentum buffers and the stream's position.
+    pretrained = tmp_path / "pretrained"
+    save_pretrained("llama_tied", pretrained, layers=4)
+
+    def args(name: str, *extra: str) -> list[str]:
+        return [str(pretrained), str(tmp_path / name), str(tmp_path / f"{name}.pt"), *extra]
+
+    check(subprocess.run([sys.executable, str(RESUME_SCRIPT), *args("one")], env=child_env(),
+                         cwd=REPO, capture_output=True, text=True, timeout=300))
+    check(torchrun(RESUME_SCRIPT, args("straight"), timeout=400))
+    (tmp_path / "markers").mkdir()
+    killed = torchrun(RESUME_SCRIPT, args("killed", "--kill", "step:5", "--markers",
+                                          str(tmp_path / "markers")), timeout=400)
+    assert killed.returncode != 0 and (tmp_path / "markers" / "step_5").exists()
+    check(torchrun(RESUME_SCRIPT, args("killed"), timeout=400))  # the same command again
+    one = torch.load(tmp_path / "one.pt.rank0")
+    stages = [torch.load(tmp_path / f"straight.pt.rank{rank}") for rank in range(2)]
+    for rank, straight in enumerate(stages):
+        resumed = torch.load(tmp_path / f"killed.pt.rank{rank}")
+        assert straight["model_type"] == "PipelineStages"
+        assert straight["global_step"] == resumed["global_step"] == 8
+        # Every stage read the stream's first 8 steps x 2 micro-batches x 4 sequences once.
+        assert straight["trained_on"] == resumed["trained_on"] == list(range(64))
+        assert straight["weights"].keys() == resumed["weights"].keys()
+        for name, tensor in straight["weights"].items():
+            assert torch.equal(resumed["weights"][name], tensor), name
+        assert straight["optimizer"].keys() == resumed["optimizer"].keys()
+        assert straight["optimizer"]  # every held parameter has a momentum buffer
+        for name, state in straight["optimizer"].items():
+            for key, value in state.items():
+                assert torch.equal(resumed["optimizer"][name][key], value), (name, key)
+    first, last = (stage["weights"] for stage in stages)
+    # Each stage holds its copy of the tied weight, equal to the other stage's ...
+    assert torch.equal(first[TIED[0]], last[TIED[1]])
+    # ... and the pipeline trained as one process did on the same stream (the token-weighted
+    # mean over each step's 2 micro-batches; summation order only, as above).
+    assert one["model_type"] == "LlamaForCausalLM" and one["trained_on"] == list(range(64))
+    assert max_error({**first, **last}, one["weights"]) < ATOL
+    saved = AutoModelForCausalLM.from_pretrained(pretrained)
+    assert max_error(one["weights"], dict(saved.named_parameters())) > 1e-3  # it trained

@@ -3,7 +3,8 @@
 One trainer class (``training_step`` through ``forward_backward``) trains the tiny transformer
 for 3 optimizer steps of 16 sequences, 2 accumulated micro-batches each, with clipping, in
 every layout: one process, each of torch's 7 schedules on 2 ranks, pp2 x dp_shard2, pp2 x tp2
-and pp2 x tp2 with loss_parallel on 4 ranks, pp2 x dp_shard2 x tp2 on 8. Every second
+and pp2 x tp2 with loss_parallel on 4 ranks, pp2 x dp_shard2 x tp2 and pp2 x HSDP (2 replicas
+of 2 shards) on 8. Every second
 micro-batch is 2 tokens shorter, so each pipeline builds a second schedule inside an
 accumulation window.
 
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.distributed
 SCRIPT = REPO / "tests/scripts/pipeline_runs.py"
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
              "ZBVZeroBubble", "DualPipeV"]
-COMPOSED = ["pp2_fsdp2", "pp2_tp2", "pp2_tp2_loss_parallel", "pp2_fsdp2_tp2"]
+COMPOSED = ["pp2_fsdp2", "pp2_tp2", "pp2_tp2_loss_parallel", "pp2_fsdp2_tp2", "pp2_hsdp"]
 ATOL = 1e-6
 
 
@@ -47,7 +48,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
                    nproc=2, timeout=400))
     check(torchrun(SCRIPT, [str(out / "four.pt"), "pp2_fsdp2", "pp2_tp2",
                             "pp2_tp2_loss_parallel", "ddp_error"], nproc=4, timeout=400))
-    check(torchrun(SCRIPT, [str(out / "eight.pt"), "pp2_fsdp2_tp2"], nproc=8, timeout=400))
+    check(torchrun(SCRIPT, [str(out / "eight.pt"), "pp2_fsdp2_tp2", "pp2_hsdp"], nproc=8,
+                   timeout=400))
     merged: dict[str, dict[str, Any]] = {}
     for name in ("one", "two", "four", "eight"):
         merged.update(torch.load(out / f"{name}.pt"))
@@ -139,8 +141,10 @@ def test_torchs_default_scale_grads_would_fail_these_comparisons(results: dict[s
 def test_pipeline_with_fsdp2_and_tensor_parallel_matches_one_process(results: dict[str, Any],
                                                                      mode: str) -> None:
     assert results[mode]["model_type"] == "PipelineStages"
-    # With dp_shard=2 each rank's micro-batch is half of the one process's.
-    assert_matches(results[mode], results["single"], same_data="fsdp2" not in mode)
+    # With data parallelism (2 shards, or 2 replicas of 2) each rank's micro-batch is a part
+    # of the one process's.
+    assert_matches(results[mode], results["single"],
+                   same_data="fsdp2" not in mode and "hsdp" not in mode)
 
 
 @pytest.mark.parametrize("mode", ["tp2_loss_parallel", "pp2_tp2_loss_parallel"])

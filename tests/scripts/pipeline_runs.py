@@ -42,6 +42,8 @@ MODES: dict[str, tuple[DeviceParameters, int]] = {
     "pp2_default_dp": (DeviceParameters(pipeline_parallel=2), 2),  # spare ranks shard
     "pp2_fsdp2_tp2": (DeviceParameters(dp_replicate=1, pipeline_parallel=2, dp_shard=2,
                                        tensor_parallel=2), 2),
+    # HSDP inside each stage: 2 replicas of 2 shards.
+    "pp2_hsdp": (DeviceParameters(dp_replicate=2, dp_shard=2, pipeline_parallel=2), 4),
     # The head's logits stay sharded on the vocabulary; the loss runs in loss_parallel().
     "tp2_loss_parallel": (DeviceParameters(dp_replicate=1, tensor_parallel=2,
                                            loss_parallel=True), 1),
