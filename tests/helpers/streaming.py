@@ -71,22 +71,28 @@ def stream_config(root: Path, max_steps: int = 10, **checkpoint: Any) -> StreamC
                "resume": "latest", **checkpoint}))
 
 
-class StreamTrainer(BaseTrainer, SetupMixin, CheckpointMixin):
-    """A small regression with dropout on the logged stream; keeps the ids this rank trained
-    on as per-rank state."""
-
-    config: StreamConfig
+class RecordsTrainedOn:
+    """For a trainer (listed before its trainer bases): ``trained_on``, the stream positions
+    this rank trained on, kept as per-rank checkpoint state so that a resumed run continues
+    the record. ``training_step`` extends it."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.trained_on: list[int] = []
 
     def rank_state_dict(self) -> dict[str, Any]:
-        return {**super().rank_state_dict(), "trained_on": self.trained_on}
+        return {**super().rank_state_dict(), "trained_on": self.trained_on}  # type: ignore[misc]
 
     def load_rank_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_rank_state_dict(state_dict)
+        super().load_rank_state_dict(state_dict)  # type: ignore[misc]
         self.trained_on = list(state_dict["trained_on"])
+
+
+class StreamTrainer(RecordsTrainedOn, BaseTrainer, SetupMixin, CheckpointMixin):
+    """A small regression with dropout on the logged stream; keeps the ids this rank trained
+    on as per-rank state."""
+
+    config: StreamConfig
 
     def configure_models(self) -> None:
         self.model = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Dropout(0.1),

@@ -30,6 +30,7 @@ from dream_trainer.configs import CheckpointParameters, DeviceParameters, Traini
 from dream_trainer.mixins import CheckpointMixin
 from tests.helpers.checkpointing import Killer
 from tests.helpers.hf import SEQ, VOCAB, hf_config
+from tests.helpers.streaming import RecordsTrainedOn
 from tests.scripts.hf_pipeline_run import Run, RunConfig
 
 IGNORE = -100
@@ -66,18 +67,7 @@ def summed_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE, reduction="sum")
 
 
-class Streamed(Run, CheckpointMixin):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.trained_on: list[int] = []
-
-    def rank_state_dict(self) -> dict[str, Any]:
-        return {**super().rank_state_dict(), "trained_on": self.trained_on}
-
-    def load_rank_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_rank_state_dict(state_dict)
-        self.trained_on = list(state_dict["trained_on"])
-
+class Streamed(RecordsTrainedOn, Run, CheckpointMixin):
     def configure_optimizers(self) -> None:
         # Momentum makes the optimizer state part of what must come back exactly.
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
