@@ -17,7 +17,7 @@ import dream_trainer
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "configs"),
     ("world",),
-    ("parallel", "data", "utils", "optim"),
+    ("parallel", "data", "utils", "optim", "nn"),
     ("trainer",),
     ("checkpoint", "weights", "ft"),
     ("mixins",),

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
+from dream_trainer.nn.moe import update_expert_biases
 from dream_trainer.parallel.dtensor import full_value
 from dream_trainer.parallel.grad_norm import clip_grad_norm
 from dream_trainer.parallel.pipeline import (PipelineStages, reduce_tied_gradients,
@@ -153,7 +154,8 @@ class StepAPI(AbstractTrainer):
         normalize by the window's items (after ``backward(loss, num_items=n)``: the mean over
         every item of the global batch), sum the gradients of a weight tied across pipeline
         stages into each stage's copy, clip, apply (``apply_update``, the override point
-        for mixins that decide whether an update happens), zero the gradients, step the
+        for mixins that decide whether an update happens), move the balancing bias of every
+        ``MoE`` layer by the whole step's expert load, zero the gradients, step the
         scheduler, ``post_optimizer_step`` hooks.
 
         With float16 a step whose gradients overflowed is skipped by the scaler and counted in
@@ -182,6 +184,7 @@ class StepAPI(AbstractTrainer):
         reduce_tied_gradients(model)
         grad_norm = self._clip(model)
         self.apply_update(optimizer)
+        self._balance_experts(model)
         optimizer.zero_grad(set_to_none=True)
         self._step_scheduler(optimizer, scheduler)
         self._fire("post_optimizer_step", model, optimizer)
@@ -193,6 +196,11 @@ class StepAPI(AbstractTrainer):
             self.item_weighting.scale_gradients(
                 model.parameters(), None if dp_mesh is None else dp_mesh.get_group(),
                 self.world.dp_size)
+
+    def _balance_experts(self, model: nn.Module) -> None:
+        # The load of every micro-batch on every data-parallel rank: one process's batch.
+        dp_mesh = self.world.dp_mesh
+        update_expert_biases(model, None if dp_mesh is None else dp_mesh.get_group())
 
     def _clip(self, model: nn.Module) -> torch.Tensor:
         pp_mesh = self.world.get_mesh(MeshAxis.PP)

@@ -1,0 +1,213 @@
+"""``MoE``: a dropless mixture-of-experts feed-forward layer with a token-choice top-k router.
+
+Each token's router scores (softmax or sigmoid of a linear map) pick its ``top_k`` experts;
+every picked expert runs on the token (no capacity limit, no dropped token) and the outputs are
+added with the token's scores as weights. The experts are SwiGLU feed-forward networks whose
+weights are stored stacked, ``[num_experts, ...]``, so that they shard along the expert
+dimension. Two ways to balance the load, usable together:
+
+- the auxiliary loss ``aux_loss`` (DeepSeek's form, ``aux_loss_weight * sum_i f_i * P_i``,
+  with ``f_i`` the share of the call's routing slots expert ``i`` received, scaled so that a
+  uniform load gives 1, and ``P_i`` its mean routing probability), computed at each call for
+  the caller to add to its loss;
+- DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores for the
+  choice of experts only (never to the weights), moved after each optimizer step by
+  ``bias_update_rate`` towards the under-loaded experts, from the token counts of the whole
+  step (``update_bias``; the trainer's ``step()`` calls it with the counts of every micro-batch
+  and data-parallel rank, so every rank moves its bias as one process would).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU networks with stacked weights: ``w1``/``w3`` are
+    ``[num_experts, dim, hidden_dim]``, ``w2`` is ``[num_experts, hidden_dim, dim]``.
+
+    Args:
+        dim: Width of the tokens.
+        hidden_dim: Width of each expert's hidden layer.
+        num_experts: How many experts.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each expert's matrices drawn as ``nn.Linear`` draws its weight (uniform, bound
+        ``1/sqrt(fan_in)``)."""
+        for weight in (self.w1, self.w3):
+            nn.init.uniform_(weight, -weight.shape[1] ** -0.5, weight.shape[1] ** -0.5)
+        nn.init.uniform_(self.w2, -self.w2.shape[1] ** -0.5, self.w2.shape[1] ** -0.5)
+
+    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Run expert ``e`` on the ``counts[e]`` rows of ``tokens`` after the rows of experts
+        ``0..e-1`` (tokens sorted by expert)."""
+        outputs = []
+        for expert, chunk in enumerate(tokens.split(counts)):
+            if chunk.shape[0] == 0:
+                continue
+            hidden = F.silu(chunk @ self.w1[expert]) * (chunk @ self.w3[expert])
+            outputs.append(hidden @ self.w2[expert])
+        return torch.cat(outputs) if outputs else tokens.new_zeros(0, self.w2.shape[-1])
+
+
+class MoE(nn.Module):
+    """A dropless mixture-of-experts feed-forward layer: ``[..., dim]`` in, ``[..., dim]`` out.
+
+    Args:
+        dim: Width of the tokens.
+        hidden_dim: Width of each routed expert's hidden layer.
+        num_experts: Routed experts.
+        top_k: Experts each token is sent to.
+        score_func: ``"softmax"`` over the experts, or an independent ``"sigmoid"`` per expert
+            (DeepSeek-V3).
+        normalize_scores: Rescale each token's ``top_k`` weights to sum to 1.
+        num_shared_experts: Experts every token passes through, as one SwiGLU network of
+            hidden width ``num_shared_experts * hidden_dim`` added to the output (0: none).
+        aux_loss_weight: Weight of the auxiliary load-balancing loss (0: ``aux_loss`` is 0).
+        bias_update_rate: Step of the auxiliary-loss-free balancing bias per optimizer step
+            (None: no bias; the buffer ``expert_bias`` exists, and is checkpointed, only
+            when this is set).
+
+    Raises:
+        ValueError: for a ``top_k`` outside ``1..num_experts`` or an unknown ``score_func``.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *,
+                 score_func: ScoreFunc = "softmax", normalize_scores: bool = False,
+                 num_shared_experts: int = 0, aux_loss_weight: float = 0.0,
+                 bias_update_rate: float | None = None) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"MoE: top_k={top_k} must be between 1 and num_experts="
+                             f"{num_experts}")
+        if score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoE: score_func={score_func!r} is not 'softmax' or 'sigmoid'")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_func, self.normalize_scores = score_func, normalize_scores
+        self.aux_loss_weight, self.bias_update_rate = aux_loss_weight, bias_update_rate
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        self.shared_experts = _SwiGLU(dim, hidden_dim * num_shared_experts) \
+            if num_shared_experts else None
+        # Not a buffer: DDP would overwrite every rank's counts with rank 0's at each forward.
+        self._load: torch.Tensor | None = None
+        if bias_update_rate is not None:
+            self.register_buffer("expert_bias", torch.zeros(num_experts))
+        self.aux_loss = torch.zeros(())
+        """The auxiliary loss of the latest call (a 0-dim tensor with gradient; 0 when
+        ``aux_loss_weight`` is 0)."""
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        """The routing slots each expert received in training forwards since the last
+        ``update_bias()``, on this rank (float32, ``[num_experts]``)."""
+        if self._load is None:
+            return torch.zeros(self.num_experts, device=self.router.weight.device)
+        return self._load
+
+    @tokens_per_expert.setter
+    def tokens_per_expert(self, counts: torch.Tensor) -> None:
+        self._load = counts.detach().float()
+
+    def reset_parameters(self) -> None:
+        """Zero the balancing bias and forget the load counts (the router and the experts
+        reset their own weights)."""
+        self._load = None
+        if self.bias_update_rate is not None:
+            with torch.no_grad():
+                self.expert_bias.zero_()
+
+    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(experts, weights, scores)`` for ``tokens`` (``[T, dim]``): each token's chosen
+        experts and their weights (``[T, top_k]``) and every expert's score (``[T, E]``, in
+        float32)."""
+        logits = self.router(tokens).float()
+        scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
+        choice = scores + self.expert_bias if self.bias_update_rate is not None else scores
+        experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if self.normalize_scores:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights, scores
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        experts, weights, scores = self.route(tokens)
+        slots = experts.flatten()  # token t's k-th choice at t * top_k + k
+        counts = torch.bincount(slots, minlength=self.num_experts)
+        if self.training:
+            self._load = counts.float() if self._load is None else self._load + counts
+        order = slots.argsort(stable=True)
+        token_of_slot = order // self.top_k
+        routed = self.experts(tokens[token_of_slot], counts.tolist())
+        routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, token_of_slot, routed.to(tokens.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        self.aux_loss = self._aux_loss(scores, counts)
+        return out.reshape(shape)
+
+    def _aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if not self.aux_loss_weight:
+            return scores.new_zeros(())
+        n_tokens = scores.shape[0]
+        load = counts.float() * self.num_experts / (self.top_k * n_tokens)  # f_i, no gradient
+        probability = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)  # P_i
+        return self.aux_loss_weight * (load * probability).sum()
+
+    @torch.no_grad()
+    def update_bias(self, group: Any | None = None) -> None:
+        """Move ``expert_bias`` by ``bias_update_rate`` towards the experts that received
+        fewer routing slots than the mean since the last update (away from those above),
+        then reset the counts. With ``group``, the counts are first summed over its ranks
+        (a collective), so that every rank moves its bias by the whole batch's load. Without
+        bias balancing only the counts are reset.
+        """
+        if self.bias_update_rate is not None:
+            counts = self.tokens_per_expert.clone()
+            if group is not None:
+                import torch.distributed as dist
+
+                dist.all_reduce(counts, group=group)
+            self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts)
+        self._load = None
+
+
+class _SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def moe_layers(model: nn.Module) -> Iterator[MoE]:
+    """Every ``MoE`` layer of ``model``."""
+    return (module for module in model.modules() if isinstance(module, MoE))
+
+
+def update_expert_biases(model: nn.Module, group: Any | None = None) -> None:
+    """``update_bias(group)`` on every ``MoE`` layer of ``model`` (each a collective over
+    ``group`` when it balances with a bias); nothing for a model without one."""
+    for layer in moe_layers(model):
+        layer.update_bias(group)
