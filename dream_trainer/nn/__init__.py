@@ -1,5 +1,7 @@
-"""Model building blocks that the trainer knows how to train and shard: ``MoE``."""
+"""Model building blocks that the trainer knows how to train and shard: ``MoE``, and the
+conversion of transformers' MoE blocks into it."""
 
+from dream_trainer.nn.hf_moe import moe_from_hf, replace_hf_moe_blocks
 from dream_trainer.nn.moe import GroupedExperts, MoE
 
-__all__ = ["GroupedExperts", "MoE"]
+__all__ = ["GroupedExperts", "MoE", "moe_from_hf", "replace_hf_moe_blocks"]

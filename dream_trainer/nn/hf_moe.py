@@ -1,0 +1,86 @@
+"""Hugging Face ``transformers`` mixture-of-experts blocks as ``MoE`` layers, weights included.
+
+transformers 5 stores a sparse MoE block's experts stacked (Mixtral, Qwen3-MoE and the blocks
+built like them): ``gate.weight`` is the router, ``[E, H]``; ``experts.gate_up_proj`` is
+``[E, 2I, H]``, each expert's gate projection in its first ``I`` rows and its up projection in
+the last ``I``, applied as ``F.linear``; ``experts.down_proj`` is ``[E, H, I]``. The mapping to
+``MoE`` (whose expert matrices multiply from the right) is
+
+- ``router.weight = gate.weight``
+- ``experts.w1 = gate_up_proj[:, :I].transpose(1, 2)`` (gate), ``experts.w3 =
+  gate_up_proj[:, I:].transpose(1, 2)`` (up), ``experts.w2 = down_proj.transpose(1, 2)``
+
+with softmax scores, the block's ``top_k``, and ``normalize_scores`` from the router's
+``norm_topk_prob`` (Mixtral, which has none, always normalizes). ``transformers`` is never
+imported here: blocks are recognized by that layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dream_trainer.nn.moe import MoE
+
+
+def is_hf_moe_block(module: nn.Module) -> bool:
+    """True for a module with the stacked-experts layout above."""
+    experts, gate = getattr(module, "experts", None), getattr(module, "gate", None)
+    return isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) \
+        and isinstance(getattr(experts, "down_proj", None), torch.Tensor) \
+        and isinstance(getattr(gate, "weight", None), torch.Tensor)
+
+
+def moe_from_hf(block: nn.Module) -> MoE:
+    """An ``MoE`` that computes what ``block`` computes, holding copies of its weights (on
+    their device, in their dtype).
+
+    Raises:
+        ValueError: if ``block`` does not have the stacked-experts layout, has a shared
+            expert (Qwen2-MoE's gated shared expert is not ``MoE``'s), perturbs its inputs in
+            training (Mixtral's ``router_jitter_noise``), or its experts' activation is not
+            SiLU.
+    """
+    if not is_hf_moe_block(block):
+        raise ValueError(f"{type(block).__name__} is not a transformers MoE block with "
+                         "gate.weight, experts.gate_up_proj and experts.down_proj")
+    name = type(block).__name__
+    if any(getattr(block, attribute, None) is not None
+           for attribute in ("shared_expert", "shared_experts")):
+        raise ValueError(f"{name} has a shared expert, which MoE does not reproduce: keep "
+                         "the block, or convert only blocks without one")
+    if getattr(block, "jitter_noise", 0):
+        raise ValueError(f"{name} multiplies its inputs by random jitter in training "
+                         "(router_jitter_noise > 0), which MoE does not: set it to 0")
+    activation = type(getattr(block.experts, "act_fn", None)).__name__
+    if "silu" not in activation.lower():
+        raise ValueError(f"{name}'s experts use {activation}; MoE's experts are SwiGLU (SiLU)")
+    gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
+    num_experts, hidden, dim = gate_up.shape[0], gate_up.shape[1] // 2, gate_up.shape[2]
+    top_k = getattr(block, "top_k", None) or block.gate.top_k
+    layer = MoE(dim, hidden, num_experts, top_k,
+                normalize_scores=getattr(block.gate, "norm_topk_prob", True))
+    layer.to(device=gate_up.device, dtype=gate_up.dtype)
+    with torch.no_grad():
+        layer.router.weight.copy_(block.gate.weight)
+        layer.experts.w1.copy_(gate_up[:, :hidden].transpose(1, 2))
+        layer.experts.w3.copy_(gate_up[:, hidden:].transpose(1, 2))
+        layer.experts.w2.copy_(down.transpose(1, 2))
+    return layer
+
+
+def replace_hf_moe_blocks(model: nn.Module) -> list[str]:
+    """Replace every transformers MoE block of ``model`` by the ``MoE`` of ``moe_from_hf``, in
+    place; return the replaced modules' names. The model's outputs do not change (up to float
+    rounding); its parameter names under each block do (``router.weight``, ``experts.w1`` ...).
+
+    Raises:
+        ValueError: as ``moe_from_hf``, for the first block it cannot convert (the model is
+            then left unchanged).
+    """
+    found = [(name, module) for name, module in model.named_modules() if is_hf_moe_block(module)]
+    layers = [moe_from_hf(module) for _, module in found]  # every check before any change
+    for (name, _), layer in zip(found, layers):
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, layer)
+    return [name for name, _ in found]
