@@ -133,6 +133,16 @@ class DeviceParameters(ConfigModel):
     pipeline_parallel: Degree = 1
     """Pipeline-parallel degree: the model's blocks are split into stages over this many
     ranks (see ``SetupMixin.apply_pipeline_parallel``)."""
+    expert_parallel: PositiveInt = 1
+    """Expert-parallel degree: the routed experts of every ``dream_trainer.nn.MoE`` layer are
+    split over this many ranks, which exchange tokens by all-to-all (see
+    ``SetupMixin.apply_expert_parallel``). It borrows its ranks from ``dp_shard`` and does not
+    change the world size: ``dp_shard`` must be a multiple of it (FSDP2 then shards each
+    rank's experts over ``dp_shard / expert_parallel`` ranks, the other weights over all
+    ``dp_shard``), and so must every MoE layer's ``num_experts``. When neither
+    ``dp_replicate`` nor ``dp_shard`` is given, ``dp_shard`` is ``"auto"``. Not supported yet
+    with ``tensor_parallel``, ``pipeline_parallel``, ``context_parallel`` or
+    ``dp_replicate`` above 1."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``"auto"`` uses CUDA when available, else the CPU."""
     param_dtype: TorchDType = torch.float32
@@ -184,6 +194,9 @@ class DeviceParameters(ConfigModel):
             # spare ranks shard its stages instead, as torchtitan's do.
             if str(data.get("pipeline_parallel", 1)) != "1" and "dp_shard" not in data:
                 return {**data, "dp_replicate": 1, "dp_shard": "auto"}
+            # Expert parallelism borrows its ranks from dp_shard.
+            if str(data.get("expert_parallel", 1)) != "1" and "dp_shard" not in data:
+                return {**data, "dp_replicate": 1, "dp_shard": "auto"}
             return {**data, "dp_replicate": "auto"}
         return data
 
@@ -210,7 +223,27 @@ class DeviceParameters(ConfigModel):
                              "logits, which needs tensor_parallel > 1: set tensor_parallel, or "
                              "turn loss_parallel off")
         self._check_pipeline()
+        self._check_experts()
         return self
+
+    def _check_experts(self) -> None:
+        ep = self.expert_parallel
+        if ep == 1:
+            return
+        # dp_replicate="auto" is checked once resolved (it is 1 when dp_shard takes every rank).
+        unsupported = [f"{name}={getattr(self, name)!r}" for name in
+                       ("tensor_parallel", "pipeline_parallel", "context_parallel",
+                        "dp_replicate") if getattr(self, name) != 1
+                       and not (name == "dp_replicate" and self.dp_replicate == "auto")]
+        if unsupported:
+            raise ValueError(f"expert_parallel={ep} with {', '.join(unsupported)} is not "
+                             "supported yet: set them to 1 (expert parallelism composes with "
+                             "dp_shard only)")
+        if self.dp_shard == 1 or (isinstance(self.dp_shard, int) and self.dp_shard % ep):
+            raise ValueError(f"expert_parallel={ep} borrows its ranks from dp_shard, so "
+                             f"dp_shard must be a multiple of {ep}, got dp_shard="
+                             f"{self.dp_shard!r}: set dp_shard to a multiple of {ep} or "
+                             "'auto'")
 
     def _check_pipeline(self) -> None:
         if self.pipeline_parallel == 1:

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dream_trainer.configs.device import ddp_pipeline_problem
 from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.data_parallel import DDPBackend
+from dream_trainer.parallel.experts import distribute_experts, fully_shard_experts
 from dream_trainer.parallel.materialize import (FullTensorInit, has_meta_tensors, materialize,
                                                 parameters_named)
 from dream_trainer.parallel.hf_init import is_hf_model
@@ -85,6 +86,27 @@ class ParallelizeModels(AbstractTrainer):
             f"{type(self).__name__}.apply_tensor_parallel(tp_mesh)"
         )
 
+    def apply_expert_parallel(self, ep_mesh: DeviceMesh) -> None:
+        """Split the routed experts of every ``dream_trainer.nn.MoE`` layer over ``ep_mesh``
+        (``expert_parallel > 1``): each rank holds ``num_experts / ep`` experts, and the
+        layers send every token to the rank of each expert it chose and back (all-to-all).
+
+        Runs on the meta device, after tensor parallelism and before FSDP2, which then
+        shards each rank's experts over the remaining data-parallel ranks and every other
+        weight over all of them. Override it for a mixture-of-experts module of your own:
+        shard its expert weights over ``ep_mesh`` and dispatch its tokens there.
+
+        Raises:
+            ValueError: if a layer's ``num_experts`` is not a multiple of ``ep_mesh``'s size,
+                or no model has an ``MoE`` layer (nothing would use the degree).
+        """
+        split = sum(distribute_experts(model, ep_mesh) for model in self.named_models().values())
+        if not split:
+            raise ValueError(f"expert_parallel={ep_mesh.size()} but no model has a "
+                             "dream_trainer.nn.MoE layer: set expert_parallel=1, or override "
+                             f"{type(self).__name__}.apply_expert_parallel(ep_mesh) for your "
+                             "own mixture-of-experts module")
+
     def apply_activation_checkpointing(self) -> None:
         """Recompute each block's activations in backward (see ``find_blocks``).
 
@@ -142,12 +164,22 @@ class ParallelizeModels(AbstractTrainer):
             tp_mesh = self.world.get_mesh(MeshAxis.TP)
             assert tp_mesh is not None
             self.apply_tensor_parallel(tp_mesh)
+        if dims.ep > 1:
+            ep_mesh = self.world.get_mesh(MeshAxis.EP)
+            assert ep_mesh is not None
+            self.apply_expert_parallel(ep_mesh)
         if params.checkpoint_activations:
             self.apply_activation_checkpointing()
         if params.compile_model:
             self.apply_compile()
         if dims.dp_shard > 1:
-            self.apply_fully_shard(self._fully_shard_config())
+            config = self._fully_shard_config()
+            if dims.ep > 1:
+                efsdp_mesh = self.world.get_mesh(MeshAxis.EFSDP)
+                assert efsdp_mesh is not None
+                for model in self.named_models().values():
+                    fully_shard_experts(model, efsdp_mesh, config)
+            self.apply_fully_shard(config)
 
     def _setup_pipeline(self, replicate: bool) -> None:
         """Split, parallelize each stage, materialize this rank's stages, wrap them.

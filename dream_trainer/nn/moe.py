@@ -54,16 +54,22 @@ class GroupedExperts(nn.Module):
             nn.init.uniform_(weight, -weight.shape[1] ** -0.5, weight.shape[1] ** -0.5)
         nn.init.uniform_(self.w2, -self.w2.shape[1] ** -0.5, self.w2.shape[1] ** -0.5)
 
-    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, counts: list[int],
+                grad_scale: float = 1.0) -> torch.Tensor:
         """Run expert ``e`` on the ``counts[e]`` rows of ``tokens`` after the rows of experts
-        ``0..e-1`` (tokens sorted by expert)."""
-        outputs = []
-        for expert, chunk in enumerate(tokens.split(counts)):
-            if chunk.shape[0] == 0:
-                continue
-            hidden = F.silu(chunk @ self.w1[expert]) * (chunk @ self.w3[expert])
-            outputs.append(hidden @ self.w2[expert])
-        return torch.cat(outputs) if outputs else tokens.new_zeros(0, self.w2.shape[-1])
+        ``0..e-1`` (tokens sorted by expert). Under expert parallelism the weights are this
+        rank's experts only, and ``counts`` has one entry per local expert.
+
+        An expert without rows still runs (on no rows), so that its weights get a zero
+        gradient rather than none: data-parallel ranks reduce the same set of gradients.
+        ``grad_scale`` multiplies the weights' gradients (not the output).
+        """
+        w1, w2, w3 = (_local(weight) for weight in (self.w1, self.w2, self.w3))
+        if grad_scale != 1.0:
+            w1, w2, w3 = (_ScaleGradient.apply(weight, grad_scale) for weight in (w1, w2, w3))
+        outputs = [(F.silu(chunk @ w1[expert]) * (chunk @ w3[expert])) @ w2[expert]
+                   for expert, chunk in enumerate(tokens.split(counts))]
+        return torch.cat(outputs)
 
 
 class MoE(nn.Module):
@@ -109,6 +115,9 @@ class MoE(nn.Module):
         self._load: torch.Tensor | None = None
         if bias_update_rate is not None:
             self.register_buffer("expert_bias", torch.zeros(num_experts))
+        self.ep_group: Any | None = None
+        """The expert-parallel process group when the experts are sharded over ranks (set by
+        ``SetupMixin.apply_expert_parallel``), else None."""
         self.aux_loss = torch.zeros(())
         """The auxiliary loss of the latest call (a 0-dim tensor with gradient; 0 when
         ``aux_loss_weight`` is 0)."""
@@ -156,13 +165,49 @@ class MoE(nn.Module):
             self._load = counts.float() if self._load is None else self._load + counts
         order = slots.argsort(stable=True)
         token_of_slot = order // self.top_k
-        routed = self.experts(tokens[token_of_slot], counts.tolist())
+        if self.ep_group is None:
+            routed = self.experts(tokens[token_of_slot], counts.tolist())
+        else:
+            routed = self._across_ranks(tokens[token_of_slot], counts)
         routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of_slot, routed.to(tokens.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         self.aux_loss = self._aux_loss(scores, counts)
         return out.reshape(shape)
+
+    def _across_ranks(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Run ``routed`` (this rank's tokens, sorted by expert) on experts sharded over the
+        expert-parallel group: each rank's tokens for rank r's experts go to rank r (an
+        all-to-all with uneven splits), run there grouped by expert, and come back in the
+        same order (the reverse all-to-all; both carry gradients)."""
+        import torch.distributed as dist
+        from torch.distributed._functional_collectives import (all_to_all_single_autograd,
+                                                               wait_tensor)
+
+        group = self.ep_group
+        ranks = dist.get_world_size(group)
+        local = self.num_experts // ranks
+        sent = counts.view(ranks, local).contiguous()  # row r: for rank r's experts
+        received = torch.empty_like(sent)  # row s: from rank s, for each of my experts
+        dist.all_to_all_single(received, sent, group=group)
+        send_splits, recv_splits = sent.sum(1).tolist(), received.sum(1).tolist()
+        inbound = wait_tensor(all_to_all_single_autograd(routed, recv_splits, send_splits,
+                                                         group))
+        # Arrived as (source rank, expert) blocks; the experts want (expert, source rank).
+        sizes = received.flatten().tolist()
+        blocks = inbound.split(sizes)
+        by_expert = [blocks[source * local + expert]
+                     for expert in range(local) for source in range(ranks)]
+        # These experts' gradients add up every rank's tokens; data parallelism then averages
+        # over the other data-parallel ranks only: 1/ranks makes it the mean over all.
+        out = self.experts(torch.cat(by_expert), received.sum(0).tolist(),
+                           grad_scale=1.0 / ranks)
+        done = out.split([block.shape[0] for block in by_expert])
+        by_source = [done[expert * ranks + source]
+                     for source in range(ranks) for expert in range(local)]
+        return wait_tensor(all_to_all_single_autograd(torch.cat(by_source), send_splits,
+                                                      recv_splits, group))
 
     def _aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if not self.aux_loss_weight:
@@ -199,6 +244,24 @@ class _SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; the gradient multiplied by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the experts of this rank under expert parallelism)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def moe_layers(model: nn.Module) -> Iterator[MoE]:

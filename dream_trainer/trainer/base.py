@@ -178,7 +178,7 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
             raise RuntimeError("replace_config() after the models were configured: call it "
                                "before fit()/set_up(), or from pre_launch/pre_configure")
         degrees = ("dp_replicate", "dp_shard", "tensor_parallel", "context_parallel",
-                   "pipeline_parallel")
+                   "pipeline_parallel", "expert_parallel")
         old, new = self.config.device_parameters, config.device_parameters
         changed = [name for name in degrees if getattr(old, name) != getattr(new, name)]
         if changed:

@@ -23,6 +23,12 @@ class MeshAxis(str, Enum):
     DP_SHARD_TP = "dp_shard_tp"
     """Flattened dp_shard x tp view, present when both are > 1: FSDP2 x TP parameters and
     gradients are sharded over both, and reduce over it in one collective."""
+    EFSDP = "efsdp"
+    """With expert parallelism, the physical axis that replaces dp_shard's outer part: the
+    ranks FSDP2 shards each rank's experts over (dp_shard / ep; present even when 1)."""
+    EP = "ep"
+    """With expert parallelism, dp_shard's inner part: the ranks the experts are split over.
+    dp_shard is then the flattened efsdp x ep view."""
 
     def __str__(self) -> str:
         return self.value
@@ -53,6 +59,8 @@ class ParallelDims:
     """Pipeline stages each pipeline rank holds (``pipeline_stages_per_rank`` resolved)."""
     pp_microbatches: int = 1
     """Microbatches per pipeline step (``pipeline_microbatches`` resolved)."""
+    ep: int = 1
+    """Expert-parallel degree (``expert_parallel``), a divisor of ``dp_shard``."""
 
     @classmethod
     def resolve(cls, params: DeviceParameters, world_size: int) -> ParallelDims:
@@ -80,9 +88,15 @@ class ParallelDims:
                 f"with --nproc_per_node={fixed}"
             )
         resolved = [int(degrees[axis]) for axis, _ in _AXIS_FIELDS]
-        pp = resolved[0]
+        pp, dp_replicate, dp_shard = resolved[:3]
         layout = pipeline_layout(params, pp) if pp > 1 else (1, 1)
-        return cls(*resolved, *layout)
+        ep = params.expert_parallel
+        if ep > 1 and (dp_shard % ep or dp_replicate > 1):
+            raise MeshMismatchError(
+                f"expert_parallel={ep} borrows its ranks from dp_shard, which resolved to "
+                f"{dp_shard} (dp_replicate={dp_replicate}) on {world_size} ranks: dp_shard "
+                f"must be a multiple of {ep} and dp_replicate 1; set the degrees so")
+        return cls(*resolved, *layout, ep=ep)
 
     @property
     def pp_stages(self) -> int:
@@ -98,7 +112,18 @@ class ParallelDims:
     def world_size(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
 
+    @property
+    def efsdp(self) -> int:
+        """The ranks FSDP2 shards each rank's experts over: ``dp_shard / ep``."""
+        return self.dp_shard // self.ep
+
     def mesh_axes(self) -> list[tuple[MeshAxis, int]]:
-        """The physical mesh axes of size > 1, outermost first."""
-        return [(axis, getattr(self, axis.value)) for axis, _ in _AXIS_FIELDS
-                if getattr(self, axis.value) > 1]
+        """The physical mesh axes of size > 1, outermost first. With expert parallelism
+        dp_shard is built as ``efsdp x ep`` (efsdp even when 1) and flattened back."""
+        axes = []
+        for axis, _ in _AXIS_FIELDS:
+            if axis == MeshAxis.DP_SHARD and self.ep > 1:
+                axes += [(MeshAxis.EFSDP, self.efsdp), (MeshAxis.EP, self.ep)]
+            elif getattr(self, axis.value) > 1:
+                axes.append((axis, getattr(self, axis.value)))
+        return axes

@@ -129,6 +129,8 @@ class DistributedWorld:
         """The mesh FSDP2 shards over: dp_shard, or (dp_replicate, dp_shard) for HSDP."""
         if self.mesh is None or self.dims.dp_shard == 1:
             return None
+        if self.dims.ep > 1:
+            return self._flat_meshes[MeshAxis.DP_SHARD]
         if self.dims.dp_replicate > 1:
             return self.mesh[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]
         return self.mesh[MeshAxis.DP_SHARD.value]
@@ -216,6 +218,9 @@ class DistributedWorld:
             tuple(size for _, size in axes),
             mesh_dim_names=tuple(axis.value for axis, _ in axes),
         )
+        if self.dims.ep > 1:  # dp_shard is efsdp x ep (dp_replicate, tp and cp are 1)
+            experts = self.mesh[(MeshAxis.EFSDP.value, MeshAxis.EP.value)]
+            self._flat_meshes[MeshAxis.DP_SHARD] = experts._flatten(MeshAxis.DP_SHARD.value)
         if self.dims.dp_replicate > 1 and self.dims.dp_shard > 1:
             dp = self.mesh[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]
             self._flat_meshes[MeshAxis.DP] = dp._flatten(MeshAxis.DP.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -13,6 +14,7 @@ from dream_trainer import BaseTrainerConfig
 from dream_trainer.callbacks import Callback, CallbackCollection
 from dream_trainer.configs import DeviceParameters, TrainingParameters
 from dream_trainer.mixins import SetupConfigMixin
+from dream_trainer.world import MeshMismatchError
 
 
 class MyConfig(BaseTrainerConfig, SetupConfigMixin):
@@ -158,3 +160,32 @@ def test_assignment_is_validated() -> None:
     config = make_config()
     with pytest.raises(ValidationError, match="n_epochs"):
         config.training_parameters.n_epochs = -3
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"expert_parallel": 2, "dp_shard": 3}, "dp_shard must be a multiple of 2, got dp_shard=3"),
+    ({"expert_parallel": 2, "dp_shard": 1, "dp_replicate": 2},
+     "expert_parallel=2 with dp_replicate=2 is not supported yet"),
+    ({"expert_parallel": 2, "dp_shard": 2, "tensor_parallel": 2},
+     "expert_parallel=2 with tensor_parallel=2 is not supported yet"),
+    ({"expert_parallel": 2, "pipeline_parallel": 2},
+     "expert_parallel=2 with pipeline_parallel=2 is not supported yet"),
+    ({"expert_parallel": 0}, "expert_parallel"),
+])
+def test_expert_parallel_degrees_that_cannot_work_are_refused(fields: dict[str, Any],
+                                                              message: str) -> None:
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        DeviceParameters(**fields)
+
+
+def test_expert_parallel_borrows_from_dp_shard_without_changing_the_world() -> None:
+    from dream_trainer.world import ParallelDims
+    from dream_trainer.world.dims import MeshAxis
+
+    params = DeviceParameters(expert_parallel=2)
+    assert (params.dp_replicate, params.dp_shard) == (1, "auto")  # every rank shards
+    dims = ParallelDims.resolve(params, world_size=8)
+    assert (dims.dp_shard, dims.ep, dims.efsdp, dims.world_size) == (8, 2, 4, 8)
+    assert dims.mesh_axes() == [(MeshAxis.EFSDP, 4), (MeshAxis.EP, 2)]
+    with pytest.raises(MeshMismatchError, match="dp_shard must be a multiple of 2"):
+        ParallelDims.resolve(DeviceParameters(expert_parallel=2, dp_shard="auto"), world_size=3)

@@ -18,16 +18,18 @@ DIM, HIDDEN, EXPERTS = 8, 12, 4
 
 
 class MoEConfig(BaseTrainerConfig, SetupConfigMixin):
-    pass
+    weighted: bool = False
+    """A summed loss with ``num_items`` instead of a mean loss."""
+    experts: int = EXPERTS
 
 
 class Tiny(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, experts: int = EXPERTS) -> None:
         super().__init__()
         self.embed = nn.Linear(4, DIM)
         # No auxiliary loss: it is computed per call (per micro-batch), so accumulated
         # micro-batches would not give one batch's update.
-        self.moe = MoE(DIM, HIDDEN, EXPERTS, top_k=2, bias_update_rate=0.01)
+        self.moe = MoE(DIM, HIDDEN, experts, top_k=2, bias_update_rate=0.01)
         self.head = nn.Linear(DIM, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,7 +47,7 @@ class MoETrainer(BaseTrainer, SetupMixin):
         self.biases: list[torch.Tensor] = []
 
     def configure_models(self) -> None:
-        self.model = Tiny()
+        self.model = Tiny(self.config.experts)
 
     def configure_optimizers(self) -> None:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
@@ -60,8 +62,12 @@ class MoETrainer(BaseTrainer, SetupMixin):
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         x, y = batch
-        loss = F.mse_loss(self.model(x), y) + self.moe().aux_loss
-        self.backward(loss)
+        if self.config.weighted:  # a sum over this micro-batch's items
+            loss = F.mse_loss(self.model(x), y, reduction="sum")
+            self.backward(loss, num_items=y.numel())
+        else:
+            loss = F.mse_loss(self.model(x), y) + self.moe().aux_loss
+            self.backward(loss)
         if not self.is_accumulating_gradients:
             self.loads.append(self.moe().tokens_per_expert.clone())
             self.biases.append(self.moe().expert_bias.clone())
@@ -73,9 +79,9 @@ class MoETrainer(BaseTrainer, SetupMixin):
 
 
 def moe_config(batch: int, accumulation: int,
-               device_parameters: DeviceParameters | None = None) -> MoEConfig:
+               device_parameters: DeviceParameters | None = None, **fields: Any) -> MoEConfig:
     return MoEConfig(
-        project="moe", group="tests", experiment="run",
+        project="moe", group="tests", experiment="run", **fields,
         device_parameters=device_parameters or DeviceParameters.SINGLE_DEVICE(),
         training_parameters=TrainingParameters(n_epochs=1, train_batch_size=batch,
                                                gradient_accumulation_steps=accumulation))

@@ -149,25 +149,58 @@ def test_a_step_moves_the_bias_by_the_load_of_all_its_micro_batches() -> None:
     assert accumulated.moe().tokens_per_expert.sum() == 0  # reset by the last step
 
 
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every multi-rank mode: one 2-rank and one 4-rank launch."""
+    out = tmp_path_factory.mktemp("moe")
+    script = REPO / "tests/scripts/moe_ranks.py"
+    check(torchrun(script, [str(out / "two.pt"), "ddp", "fsdp", "ep2", "ep2_items", "ep_error"]))
+    check(torchrun(script, [str(out / "four.pt"), "ep2_efsdp2"], nproc=4))
+    return {**torch.load(out / "two.pt"), **torch.load(out / "four.pt")}
+
+
+@pytest.fixture(scope="module")
+def single() -> MoETrainer:
+    return run(batch=8, accumulation=1)
+
+
+def assert_one_process(result: dict[str, Any], single: MoETrainer, mode: str) -> None:
+    assert result["steps"] == 4, mode
+    assert torch.equal(result["final"]["moe.expert_bias"], single.moe().expert_bias), mode
+    for name, tensor in single.model.named_parameters():
+        # Gradients averaged over ranks (and micro-batches) in another order than one mean:
+        # float32 rounding only, ~1e-8 after 4 SGD steps.
+        torch.testing.assert_close(result["final"][name], tensor, rtol=0, atol=1e-6,
+                                   msg=f"{mode}: {name}")
+
+
 @pytest.mark.distributed
-def test_two_ranks_balance_by_the_global_load_and_equal_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_data_parallel_balances_by_the_global_load_and_equals_one_process(
+        ranks: dict[str, Any], single: MoETrainer, mode: str) -> None:
     # DDP with 2 accumulated micro-batches and FSDP2, 2 ranks, 8 samples per step in all: the
     # bias moves by the load of every micro-batch on both ranks (a rank's own load gives
     # other signs), so bias and weights equal one process on the same 8 samples.
-    check(torchrun(REPO / "tests/scripts/moe_ranks.py", [str(tmp_path / "out.pt")]))
-    results = torch.load(tmp_path / "out.pt")
-    single = run(batch=8, accumulation=1)
-    model = dict(single.model.named_parameters())
-    for mode in ("ddp", "fsdp"):
-        run_ = results[mode]
-        assert run_["steps"] == 4
-        # Each rank recorded its own half of each step's load.
-        assert all(load.sum() == 8 for load in run_["loads"])
-        assert torch.equal(run_["final"]["moe.expert_bias"], single.moe().expert_bias), mode
-        for name, tensor in model.items():
-            # Gradients averaged over 2 ranks (and 2 micro-batches) instead of one mean:
-            # float32 rounding only, ~1e-8 after 4 SGD steps.
-            torch.testing.assert_close(run_["final"][name], tensor, rtol=0, atol=1e-6,
-                                       msg=f"{mode}: {name}")
-    # The one-process bias moved at every step (a check that can fail).
-    assert single.moe().expert_bias.abs().sum() > 0
+    assert all(load.sum() == 8 for load in ranks[mode]["loads"])  # this rank's half
+    assert_one_process(ranks[mode], single, mode)
+    assert single.moe().expert_bias.abs().sum() > 0  # the bias did move
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("mode", "held"), [("ep2", (2, 8, 12)), ("ep2_items", (2, 8, 12)),
+                                            ("ep2_efsdp2", (1, 8, 12))])
+def test_expert_parallel_equals_one_process(ranks: dict[str, Any], single: MoETrainer,
+                                            mode: str, held: tuple[int, ...]) -> None:
+    # ep=2 on 2 ranks (each holds 2 of the 4 experts; dense weights FSDP2 over both), the same
+    # with 2 accumulated micro-batches and a summed loss with num_items, and ep=2 x efsdp=2 on
+    # 4 ranks (each half of the experts FSDP2-sharded over 2 ranks): tokens cross ranks by
+    # all-to-all, and weights and balancing bias end as one process's.
+    assert ranks[mode]["ep_group"]
+    assert ranks[mode]["held"] == {"shape": held, "mesh": ("efsdp", "ep")}
+    assert_one_process(ranks[mode], single, mode)
+
+
+@pytest.mark.distributed
+def test_experts_that_do_not_split_over_the_ranks_are_refused(ranks: dict[str, Any]) -> None:
+    error = ranks["ep_error"]["error"]
+    assert error is not None and "num_experts=3, which expert_parallel=2 does not divide" in error

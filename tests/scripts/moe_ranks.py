@@ -1,6 +1,9 @@
-"""torchrun script (2 ranks): the MoE regression under DDP with 2 accumulated micro-batches and
-under FSDP2, each on the same global batch of 8 samples per step as one process; rank 0 saves
-the final full weights and balancing bias of each."""
+"""torchrun script: the MoE regression in several data- and expert-parallel layouts, each on
+the same global batch of 8 samples per step as one process; rank 0 saves, per mode, the final
+full weights and balancing bias, each rank's step loads, and the experts this rank held.
+
+    torchrun --nproc_per_node=N moe_ranks.py OUT MODE [MODE ...]
+"""
 
 from __future__ import annotations
 
@@ -8,9 +11,20 @@ import sys
 from typing import Any
 
 from dream_trainer.configs import DeviceParameters
+from dream_trainer.parallel.dtensor import is_dtensor
 from tests.helpers.launch import save_on_rank_zero
 from tests.helpers.moe import MoETrainer, moe_config
 from tests.scripts.pipeline_runs import gathered
+
+EP2 = DeviceParameters(expert_parallel=2)  # dp_shard 'auto': every rank
+MODES: dict[str, tuple[DeviceParameters, int, int, dict[str, Any]]] = {
+    # name: (device parameters, micro-batch, accumulation, config fields)
+    "ddp": (DeviceParameters.DDP(), 2, 2, {}),
+    "fsdp": (DeviceParameters.FSDP(), 4, 1, {}),
+    "ep2": (EP2, 4, 1, {}),  # 2 ranks: each holds 2 of the 4 experts
+    "ep2_items": (EP2, 2, 2, {"weighted": True}),
+    "ep2_efsdp2": (EP2, 2, 1, {}),  # 4 ranks: experts split in 2, each half sharded over 2
+}
 
 
 class Recording(MoETrainer):
@@ -19,19 +33,28 @@ class Recording(MoETrainer):
         model = getattr(self.model, "module", self.model)
         self.final = gathered(dict(model.named_parameters()))  # collective under FSDP2
         self.final["moe.expert_bias"] = self.moe().expert_bias.clone()
+        w1 = self.moe().experts.w1  # FSDP2's sharded parameter
+        self.held = {"shape": tuple(w1.to_local().shape),
+                     "mesh": w1.device_mesh.mesh_dim_names} if is_dtensor(w1) else None
 
-
-def run(params: DeviceParameters, batch: int, accumulation: int) -> dict[str, Any]:
-    trainer = Recording(moe_config(batch, accumulation, params))
+def run(mode: str) -> dict[str, Any]:
+    if mode == "ep_error":  # 3 experts cannot split over 2 ranks
+        trainer = MoETrainer(moe_config(4, 1, EP2, experts=3))
+        try:
+            trainer.fit()
+        except ValueError as error:
+            return {"error": str(error)}
+        return {"error": None}
+    params, batch, accumulation, fields = MODES[mode]
+    trainer = Recording(moe_config(batch, accumulation, params, **fields))
     trainer.fit()
-    return {"final": trainer.final, "loads": trainer.loads, "steps": trainer.global_step}
+    return {"final": trainer.final, "loads": trainer.loads, "steps": trainer.global_step,
+            "ep_group": trainer.moe().ep_group is not None, "held": trainer.held}
 
 
-def main(out: str) -> None:
-    save_on_rank_zero({"ddp": run(DeviceParameters.DDP(), batch=2, accumulation=2),
-                       "fsdp": run(DeviceParameters.FSDP(), batch=4, accumulation=1)},
-                      out, "moe_ranks")
+def main(out: str, *modes: str) -> None:
+    save_on_rank_zero({mode: run(mode) for mode in modes}, out, "moe_ranks")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
