@@ -141,6 +141,11 @@ def _measure(trainer: BaseTrainer,
         "callbacks": CallbackCollection(),
         "device_parameters": device.model_copy(update={"compile_model": False})}))
     dims = trainer.world.dims
+    if dims.ep > 1:
+        raise NotImplementedError(
+            f"plan cannot simulate expert parallelism yet (expert_parallel={dims.ep}): plan "
+            "the run with expert_parallel=1, which has the same dense weights per rank and "
+            "every expert on every rank")
     if dims.dp_replicate > 1 and dims.dp_shard == 1:
         raise NotImplementedError(
             f"plan cannot simulate DDP (dp_replicate={dims.dp_replicate} without dp_shard): "

@@ -192,3 +192,11 @@ def test_summarize_and_plan_set_the_trainer_up_through_set_up(
     assert main(["plan", TARGET, "--world-size", "16", "--json"]) == 0
     capsys.readouterr()
     assert calls == [1, 16, 16]  # summarize's world, then plan's ranks 0 and 15
+
+
+def test_expert_parallelism_is_refused_with_what_to_plan_instead(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", TARGET, "--world-size", "8", "--", "--device_parameters",
+                 '{"expert_parallel": 2}']) == 1
+    assert "plan cannot simulate expert parallelism yet (expert_parallel=2)" in \
+        capsys.readouterr().err
