@@ -5,7 +5,6 @@ the load of the whole step."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
