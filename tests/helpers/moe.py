@@ -45,6 +45,7 @@ class MoETrainer(BaseTrainer, SetupMixin):
         super().__init__(*args, **kwargs)
         self.loads: list[torch.Tensor] = []
         self.biases: list[torch.Tensor] = []
+        self.grad_norms: list[float] = []
 
     def configure_models(self) -> None:
         self.model = Tiny(self.config.experts)
@@ -71,7 +72,7 @@ class MoETrainer(BaseTrainer, SetupMixin):
         if not self.is_accumulating_gradients:
             self.loads.append(self.moe().tokens_per_expert.clone())
             self.biases.append(self.moe().expert_bias.clone())
-            self.step(self.model, self.optimizer)
+            self.grad_norms.append(float(self.step(self.model, self.optimizer)))
         return {"loss": loss}
 
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:

@@ -165,6 +165,8 @@ def single() -> MoETrainer:
 
 def assert_one_process(result: dict[str, Any], single: MoETrainer, mode: str) -> None:
     assert result["steps"] == 4, mode
+    # The norm of the whole gradient: expert and dense weights, each counted once.
+    torch.testing.assert_close(result["grad_norms"], single.grad_norms, rtol=0, atol=1e-6)
     assert torch.equal(result["final"]["moe.expert_bias"], single.moe().expert_bias), mode
     for name, tensor in single.model.named_parameters():
         # Gradients averaged over ranks (and micro-batches) in another order than one mean:

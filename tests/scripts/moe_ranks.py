@@ -49,6 +49,7 @@ def run(mode: str) -> dict[str, Any]:
     trainer = Recording(moe_config(batch, accumulation, params, **fields))
     trainer.fit()
     return {"final": trainer.final, "loads": trainer.loads, "steps": trainer.global_step,
+            "grad_norms": trainer.grad_norms,
             "ep_group": trainer.moe().ep_group is not None, "held": trainer.held}
 
 
