@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from benchmarks import (checkpoint_speed, hf_load_memory, meta_init_memory, pipeline_steps,
-                        plan_scale, startup, step_overhead, stream_resume, training_memory)
+from benchmarks import (checkpoint_speed, expert_steps, hf_load_memory, meta_init_memory,
+                        pipeline_steps, plan_scale, startup, step_overhead, stream_resume,
+                        training_memory)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -51,6 +52,7 @@ def sections(quick: bool, lightning_python: str | None) -> dict[str, Callable[[]
                                                        1 if quick else 5),
         "pipeline_steps": lambda: pipeline_steps.measure(8 if quick else 60,
                                                          1 if quick else 3),
+        "expert_steps": lambda: expert_steps.measure(8 if quick else 40, 1 if quick else 3),
         "gpu_throughput": lambda: gpu_result(quick),
         "plan_scale": lambda: plan_scale.measure(quick),
     }
@@ -82,7 +84,7 @@ def markdown(results: dict[str, Any]) -> str:
                       "training_memory": training_memory, "meta_init_memory": meta_init_memory,
                       "hf_load_memory": hf_load_memory, "checkpoint_speed": checkpoint_speed,
                       "stream_resume": stream_resume, "plan_scale": plan_scale,
-                      "pipeline_steps": pipeline_steps}[kind]
+                      "pipeline_steps": pipeline_steps, "expert_steps": expert_steps}[kind]
             lines += module.markdown(result)
     return "\n".join(lines) + "\n"
 

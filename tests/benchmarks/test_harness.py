@@ -19,7 +19,8 @@ from tests.helpers.launch import REPO, check, child_env
 # startup, meta_init_memory and checkpoint_speed run in quick mode in tests of their own
 # (tests/benchmarks/test_startup.py, ...): the harness run leaves them out to save a minute.
 SECTIONS = {"step_overhead/mlp/1", "step_overhead/mlp/2", "training_memory",
-            "hf_load_memory", "stream_resume", "gpu_throughput", "plan_scale", "pipeline_steps"}
+            "hf_load_memory", "stream_resume", "gpu_throughput", "plan_scale", "pipeline_steps",
+            "expert_steps"}
 
 
 def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> None:
@@ -52,6 +53,9 @@ def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> 
     assert math.isfinite(pipeline["ratio_pipeline_to_one"]) \
         and pipeline["ratio_pipeline_to_one"] > 0
     assert pipeline["max_weight_difference"] < 1e-4  # the pipeline trained the same model
+    experts = results["sections"]["expert_steps"]
+    assert math.isfinite(experts["ratio_ep2_to_one"]) and experts["ratio_ep2_to_one"] > 0
+    assert experts["max_weight_difference"] < 1e-4  # ep=2 trained the same model
     # Without a GPU the last recorded GPU run is reported, with the device it ran on.
     gpu = results["sections"]["gpu_throughput"]
     assert gpu is None or "device" in gpu
