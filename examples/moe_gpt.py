@@ -28,7 +28,6 @@ What it shows:
 
 from __future__ import annotations
 
-import torch
 from pydantic import Field, PositiveFloat, PositiveInt
 from typing_extensions import override
 
@@ -37,7 +36,7 @@ from char_gpt import CharGPT, CharGPTConfig, CharGPTTrainer, GPTParameters, repo
 from char_gpt import default_config as char_gpt_config
 
 from dream_trainer.configs import apply_cli_overrides
-from dream_trainer.nn import MoE
+from dream_trainer.nn import MoE, active_parameters
 from dream_trainer.nn.moe import moe_layers
 
 
@@ -81,12 +80,10 @@ class MoEGPTTrainer(CharGPTTrainer):
     def pre_fit(self) -> None:
         if self.world.is_rank_zero:
             gpt = self.config.gpt
-            per_expert = 3 * gpt.dim * gpt.expert_hidden
-            total = _whole_count(self.model)
-            dense = total - gpt.n_layers * gpt.num_experts * per_expert
-            active = dense + gpt.n_layers * gpt.top_k * per_expert
-            print(f"each token uses {active:,} of the {total:,} parameters (the dense ones and "
-                  f"{gpt.top_k} of {gpt.num_experts} experts per layer)", flush=True)
+            total = sum(p.shape.numel() for p in self.model.parameters())  # full shapes
+            print(f"each token uses {active_parameters(self.model):,} of the {total:,} "
+                  f"parameters (the dense ones and {gpt.top_k} of {gpt.num_experts} experts "
+                  "per layer)", flush=True)
         super().pre_fit()
 
     @override
@@ -96,12 +93,6 @@ class MoEGPTTrainer(CharGPTTrainer):
         if self.world.is_rank_zero:
             print(f"first layer's balancing bias: {float(bias.min()):+.4f} .. "
                   f"{float(bias.max()):+.4f}", flush=True)
-
-
-def _whole_count(model: torch.nn.Module) -> int:
-    """Parameters of the whole model, whatever this rank holds of them (a sharded DTensor's
-    shape is the full one)."""
-    return sum(p.shape.numel() for p in model.parameters())
 
 
 def default_config() -> MoEGPTConfig:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from torch import nn
 from typing_extensions import override
 
+from dream_trainer.nn.moe import active_parameters, moe_layers
 from dream_trainer.parallel.dtensor import local_tensor
 from dream_trainer.trainer.callback import RankZeroCallback
 from dream_trainer.trainer.schedulers import planned_optimizer_steps
@@ -59,6 +60,8 @@ class ModelSummary(RankZeroCallback):
     Attributes:
         rows: One ``ModuleRow`` per listed module, model by model, parents before children.
         total_params: Parameters of every model (``trainable_params + frozen_params``).
+        active_params: The parameters one token passes through (``active_parameters``): the
+            total, but of each ``MoE`` layer's experts only ``top_k`` of ``num_experts``.
         local_bytes: Bytes of each model's parameters held by global rank 0 after setup.
 
     Raises:
@@ -76,6 +79,7 @@ class ModelSummary(RankZeroCallback):
         self.total_params = 0
         self.trainable_params = 0
         self.frozen_params = 0
+        self.active_params = 0
         self.local_bytes: dict[str, int] = {}
 
     @override
@@ -90,6 +94,8 @@ class ModelSummary(RankZeroCallback):
         self.total_params = sum(row.params for row in roots)
         self.trainable_params = sum(row.trainable for row in roots)
         self.frozen_params = sum(row.frozen for row in roots)
+        self.active_params = sum(active_parameters(model)
+                                 for model in self.trainer.named_models().values())
         from rich.table import Table
 
         console = _console(self.stream)
@@ -106,6 +112,9 @@ class ModelSummary(RankZeroCallback):
             console.print(table)
         console.print(f"Total params: {self.total_params:,} (trainable {self.trainable_params:,}, "
                       f"frozen {self.frozen_params:,})", markup=False, highlight=False)
+        if self.active_params != self.total_params:
+            console.print(f"Active params per token: {self.active_params:,} (mixture of experts)",
+                          markup=False, highlight=False)
 
     @override
     def post_setup(self) -> None:
@@ -115,9 +124,16 @@ class ModelSummary(RankZeroCallback):
         }
         console = _console(self.stream)
         ranks = self.trainer.world.world_size
+        ep = self.trainer.world.dims.ep
         for name, size in self.local_bytes.items():
             console.print(f"{name}: {size / 1e6:.2f} MB ({size:,} bytes) of parameters on "
                           f"rank 0 (world size {ranks})", markup=False, highlight=False)
+            layers = list(moe_layers(self.trainer.named_models()[name]))
+            if layers:
+                held = ", ".join(sorted({f"{layer.num_experts // ep} of {layer.num_experts}"
+                                         for layer in layers}))
+                console.print(f"{name}: {len(layers)} MoE layer(s), {held} experts per rank "
+                              f"(expert_parallel={ep})", markup=False, highlight=False)
 
 
 def _row(name: str, module: nn.Module, depth: int) -> ModuleRow:

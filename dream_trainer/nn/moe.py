@@ -269,6 +269,18 @@ def moe_layers(model: nn.Module) -> Iterator[MoE]:
     return (module for module in model.modules() if isinstance(module, MoE))
 
 
+def active_parameters(model: nn.Module) -> int:
+    """The parameters one token passes through: all of ``model``'s, except that of each
+    ``MoE`` layer's routed experts only ``top_k`` of ``num_experts`` count. Full shapes are
+    counted, however the parameters are sharded (for MFU: ``6 * active_parameters(model)``
+    FLOPs per token, plus attention's)."""
+    total = sum(param.shape.numel() for param in model.parameters())
+    for layer in moe_layers(model):
+        experts = sum(param.shape.numel() for param in layer.experts.parameters())
+        total -= experts * (layer.num_experts - layer.top_k) // layer.num_experts
+    return total
+
+
 def update_expert_biases(model: nn.Module, group: Any | None = None) -> None:
     """``update_bias(group)`` on every ``MoE`` layer of ``model`` (each a collective over
     ``group`` when it balances with a bias); nothing for a model without one."""

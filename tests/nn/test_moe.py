@@ -5,6 +5,7 @@ the load of the whole step."""
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -198,6 +199,7 @@ def test_expert_parallel_equals_one_process(ranks: dict[str, Any], single: MoETr
     # all-to-all, and weights and balancing bias end as one process's.
     assert ranks[mode]["ep_group"]
     assert ranks[mode]["held"] == {"shape": held, "mesh": ("efsdp", "ep")}
+    assert "1 MoE layer(s), 2 of 4 experts per rank (expert_parallel=2)" in ranks[mode]["summary"]
     assert_one_process(ranks[mode], single, mode)
 
 
@@ -205,3 +207,21 @@ def test_expert_parallel_equals_one_process(ranks: dict[str, Any], single: MoETr
 def test_experts_that_do_not_split_over_the_ranks_are_refused(ranks: dict[str, Any]) -> None:
     error = ranks["ep_error"]["error"]
     assert error is not None and "num_experts=3, which expert_parallel=2 does not divide" in error
+
+
+def test_active_parameters_count_top_k_of_the_experts_and_the_summary_prints_them() -> None:
+    from dream_trainer.callbacks.summaries import ModelSummary
+    from dream_trainer.nn import active_parameters
+
+    stream = io.StringIO()
+    summary = ModelSummary(max_depth=0, stream=stream)
+    trainer = MoETrainer(moe_config(8, 1, callbacks=[summary]))
+    trainer.fit()
+    experts = 3 * DIM * HIDDEN * EXPERTS  # w1, w2, w3 of 4 experts
+    total = sum(p.numel() for p in trainer.model.parameters())
+    # top_k=2 of 4 experts: half of the expert weights are used by each token.
+    assert active_parameters(trainer.model) == total - experts // 2
+    assert summary.active_params == total - experts // 2 and summary.total_params == total
+    printed = stream.getvalue()
+    assert f"Active params per token: {total - experts // 2:,} (mixture of experts)" in printed
+    assert "model: 1 MoE layer(s), 4 of 4 experts per rank (expert_parallel=1)" in printed

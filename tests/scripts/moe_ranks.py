@@ -7,9 +7,11 @@ full weights and balancing bias, each rank's step loads, and the experts this ra
 
 from __future__ import annotations
 
+import io
 import sys
 from typing import Any
 
+from dream_trainer.callbacks.summaries import ModelSummary
 from dream_trainer.configs import DeviceParameters
 from dream_trainer.parallel.dtensor import is_dtensor
 from tests.helpers.launch import save_on_rank_zero
@@ -46,10 +48,12 @@ def run(mode: str) -> dict[str, Any]:
             return {"error": str(error)}
         return {"error": None}
     params, batch, accumulation, fields = MODES[mode]
-    trainer = Recording(moe_config(batch, accumulation, params, **fields))
+    summary = io.StringIO()
+    trainer = Recording(moe_config(batch, accumulation, params, **fields,
+                                   callbacks=[ModelSummary(max_depth=0, stream=summary)]))
     trainer.fit()
     return {"final": trainer.final, "loads": trainer.loads, "steps": trainer.global_step,
-            "grad_norms": trainer.grad_norms,
+            "grad_norms": trainer.grad_norms, "summary": summary.getvalue(),
             "ep_group": trainer.moe().ep_group is not None, "held": trainer.held}
 
 
