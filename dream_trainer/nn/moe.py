@@ -19,7 +19,9 @@ dimension. Two ways to balance the load, usable together:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any, Literal
 
 import torch
@@ -27,6 +29,27 @@ import torch.nn.functional as F
 from torch import nn
 
 ScoreFunc = Literal["softmax", "sigmoid"]
+
+_BALANCED = ContextVar("dream_trainer_balanced_routing", default=False)
+
+
+@contextlib.contextmanager
+def balanced_routing() -> Iterator[None]:
+    """Within the block, every ``MoE`` layer gives each expert an equal share of its routing
+    slots (the first experts one more when they do not divide) instead of reading the
+    router's choices: the sizes of every tensor and message are then known without values.
+    For ``dream-trainer plan``, which runs a step on tensors that have shapes only; the
+    router still runs, so its cost is counted."""
+    token = _BALANCED.set(True)
+    try:
+        yield
+    finally:
+        _BALANCED.reset(token)
+
+
+def _balanced(slots: int, experts: int) -> list[int]:
+    share, extra = divmod(slots, experts)
+    return [share + (expert < extra) for expert in range(experts)]
 
 
 class GroupedExperts(nn.Module):
@@ -160,15 +183,20 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         experts, weights, scores = self.route(tokens)
         slots = experts.flatten()  # token t's k-th choice at t * top_k + k
-        counts = torch.bincount(slots, minlength=self.num_experts)
+        if _BALANCED.get():
+            sizes = _balanced(slots.shape[0], self.num_experts)
+            counts = torch.tensor(sizes, device=tokens.device)
+        else:
+            counts = torch.bincount(slots, minlength=self.num_experts)
+            sizes = counts.tolist()  # the one host sync of the routing
         if self.training:
             self._load = counts.float() if self._load is None else self._load + counts
         order = slots.argsort(stable=True)
         token_of_slot = order // self.top_k
         if self.ep_group is None:
-            routed = self.experts(tokens[token_of_slot], counts.tolist())
+            routed = self.experts(tokens[token_of_slot], sizes)
         else:
-            routed = self._across_ranks(tokens[token_of_slot], counts)
+            routed = self._across_ranks(tokens[token_of_slot], counts, sizes)
         routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of_slot, routed.to(tokens.dtype))
         if self.shared_experts is not None:
@@ -176,7 +204,8 @@ class MoE(nn.Module):
         self.aux_loss = self._aux_loss(scores, counts)
         return out.reshape(shape)
 
-    def _across_ranks(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _across_ranks(self, routed: torch.Tensor, counts: torch.Tensor,
+                      sizes: list[int]) -> torch.Tensor:
         """Run ``routed`` (this rank's tokens, sorted by expert) on experts sharded over the
         expert-parallel group: each rank's tokens for rank r's experts go to rank r (an
         all-to-all with uneven splits), run there grouped by expert, and come back in the
@@ -191,17 +220,23 @@ class MoE(nn.Module):
         sent = counts.view(ranks, local).contiguous()  # row r: for rank r's experts
         received = torch.empty_like(sent)  # row s: from rank s, for each of my experts
         dist.all_to_all_single(received, sent, group=group)
-        send_splits, recv_splits = sent.sum(1).tolist(), received.sum(1).tolist()
+        if _BALANCED.get():  # every rank sends what this one does
+            mine = dist.get_rank(group)
+            rows = [sizes[mine * local:(mine + 1) * local]] * ranks
+        else:
+            rows = received.tolist()
+        send_splits = [sum(sizes[rank * local:(rank + 1) * local]) for rank in range(ranks)]
+        recv_splits = [sum(row) for row in rows]
         inbound = wait_tensor(all_to_all_single_autograd(routed, recv_splits, send_splits,
                                                          group))
         # Arrived as (source rank, expert) blocks; the experts want (expert, source rank).
-        sizes = received.flatten().tolist()
-        blocks = inbound.split(sizes)
+        blocks = inbound.split([size for row in rows for size in row])
         by_expert = [blocks[source * local + expert]
                      for expert in range(local) for source in range(ranks)]
         # These experts' gradients add up every rank's tokens; data parallelism then averages
         # over the other data-parallel ranks only: 1/ranks makes it the mean over all.
-        out = self.experts(torch.cat(by_expert), received.sum(0).tolist(),
+        out = self.experts(torch.cat(by_expert), [sum(row[expert] for row in rows)
+                                                  for expert in range(local)],
                            grad_scale=1.0 / ranks)
         done = out.split([block.shape[0] for block in by_expert])
         by_source = [done[expert * ranks + source]

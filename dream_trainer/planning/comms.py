@@ -44,6 +44,12 @@ def group_axes(world: DistributedWorld) -> dict[str, str]:
         shard_tp = world.get_mesh(MeshAxis.DP_SHARD_TP)
         if shard_tp is not None:
             axes[shard_tp.get_group().group_name] = MeshAxis.DP_SHARD_TP.value
+        # With expert parallelism dp_shard is the flattened efsdp x ep view (dense weights
+        # shard and reduce over it); spanning every rank, it may be the default group.
+        if world.dims.ep > 1:
+            dp_shard = world.get_mesh(MeshAxis.DP_SHARD)
+            assert dp_shard is not None
+            axes[dp_shard.get_group().group_name] = MeshAxis.DP_SHARD.value
     return axes
 
 

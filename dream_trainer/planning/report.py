@@ -19,7 +19,10 @@ MEASURED = (
     "micro-batch); every collective of the step with its process group and buffer size. "
     "'total' adds the four and so bounds the step's peak from above (gradients are counted "
     "whole). Not measured: time, bandwidth or overlap, kernels' workspaces, the CUDA context, "
-    "NCCL buffers and allocator fragmentation; the config's callbacks are not run."
+    "NCCL buffers and allocator fragmentation; the config's callbacks are not run. "
+    "Mixture-of-experts layers (dream_trainer.nn.MoE) are planned with balanced routing: "
+    "every expert receives an equal share of the tokens (a real router's imbalance adds "
+    "to the busiest expert's activations and all-to-all bytes)."
 )
 
 

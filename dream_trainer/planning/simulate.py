@@ -22,6 +22,7 @@ from typing_extensions import override
 from dream_trainer.parallel.pipeline import PipelineStages
 from dream_trainer.planning.comms import AxisCommMode, group_axes
 from dream_trainer.planning.memory import StepMemory, optimizer_tensors, storages
+from dream_trainer.nn.moe import balanced_routing
 from dream_trainer.planning.pipeline import BoundariesNeeded, PlannedPipeline
 from dream_trainer.planning.report import RankPlan
 from dream_trainer.planning.session import attach, sandboxed, set_up
@@ -141,11 +142,6 @@ def _measure(trainer: BaseTrainer,
         "callbacks": CallbackCollection(),
         "device_parameters": device.model_copy(update={"compile_model": False})}))
     dims = trainer.world.dims
-    if dims.ep > 1:
-        raise NotImplementedError(
-            f"plan cannot simulate expert parallelism yet (expert_parallel={dims.ep}): plan "
-            "the run with expert_parallel=1, which has the same dense weights per rank and "
-            "every expert on every rank")
     if dims.dp_replicate > 1 and dims.dp_shard == 1:
         raise NotImplementedError(
             f"plan cannot simulate DDP (dp_replicate={dims.dp_replicate} without dp_shard): "
@@ -168,7 +164,9 @@ def _measure(trainer: BaseTrainer,
                     model.runner = PlannedPipeline(model.runner, unsplit.models[name],
                                                    device.param_dtype, comms.record,
                                                    boundaries)
-            with shapes.mode, comms, memory, warnings.catch_warnings():
+            # Fake tensors have no router choices: mixture-of-experts layers are planned with
+            # every expert receiving an equal share of the tokens (the report says so).
+            with shapes.mode, comms, memory, balanced_routing(), warnings.catch_warnings():
                 # The comm mode's module hooks make torch warn about full backward hooks.
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
                 trainer.train_window(batches)

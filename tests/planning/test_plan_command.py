@@ -194,9 +194,28 @@ def test_summarize_and_plan_set_the_trainer_up_through_set_up(
     assert calls == [1, 16, 16]  # summarize's world, then plan's ranks 0 and 15
 
 
-def test_expert_parallelism_is_refused_with_what_to_plan_instead(
+def test_expert_parallelism_plans_its_all_to_alls_on_the_ep_axis_with_balanced_routing(
         capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", TARGET, "--world-size", "8", "--", "--device_parameters",
-                 '{"expert_parallel": 2}']) == 1
-    assert "plan cannot simulate expert parallelism yet (expert_parallel=2)" in \
-        capsys.readouterr().err
+    from tests.scripts.plan_trainer import EXPERTS, TOP_K
+
+    assert main(["plan", f"{SCRIPT}:make_moe_trainer", "--world-size", "8", "--json", "--",
+                 "--device_parameters", '{"expert_parallel": 2}']) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["mesh"] == {"efsdp": 4, "ep": 2}  # dp_shard = 8 = efsdp x ep
+    slots = BATCH * SEQ * TOP_K  # this rank's routing slots per MoE layer
+    per_layer = {
+        # the token counts (int64 per expert), then the tokens out and back, in forward and
+        # in backward; balanced routing, so every rank sends and receives all of its slots
+        "ep": 8 * EXPERTS + 4 * slots * DIM * 4,
+        # each rank's 4 experts (3 matrices DIM x 2*DIM) gathered in forward and again in
+        # backward, and their gradients reduce-scattered, over the 4 efsdp ranks
+        "efsdp": 3 * (EXPERTS // 2) * 3 * DIM * 2 * DIM * 4,
+    }
+    for rank in ("0", "7"):
+        collectives = plan["ranks"][rank]["collectives"]
+        for axis, size in per_layer.items():
+            assert collectives[axis]["bytes"] == 2 * size, (axis, collectives)  # 2 layers
+        assert collectives["ep"]["count"] == 2 * 5 and collectives["efsdp"]["count"] == 2 * 3
+    main(["plan", f"{SCRIPT}:make_moe_trainer", "--world-size", "8", "--",
+          "--device_parameters", '{"expert_parallel": 2}'])
+    assert "are planned with balanced routing" in capsys.readouterr().out.replace("\n", " ")

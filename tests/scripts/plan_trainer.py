@@ -158,3 +158,38 @@ def make_loader_trainer(args: Sequence[str] | None = None) -> LoaderPlanTrainer:
 
 def make_pipeline_trainer(args: Sequence[str] | None = None) -> PipelinePlanTrainer:
     return PipelinePlanTrainer(config(args))
+
+
+EXPERTS, TOP_K = 8, 2
+
+
+class MoEBlock(Block):
+    """``Block`` whose MLP is an ``MoE`` of ``EXPERTS`` SwiGLU experts (hidden ``2 * DIM``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from dream_trainer.nn import MoE
+
+        del self.up, self.down
+        self.moe = MoE(DIM, 2 * DIM, EXPERTS, TOP_K, bias_update_rate=1e-3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attn_norm(x)
+        batch, seq, _ = h.shape
+        q, k, v = (proj(h).view(batch, seq, -1, HEAD_DIM).transpose(1, 2)
+                   for proj in (self.q, self.k, self.v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(attended.transpose(1, 2).reshape(batch, seq, -1))
+        return x + self.moe(self.mlp_norm(x))
+
+
+class MoEPlanTrainer(PlanTrainer):
+    """``PlannedGPT`` with an MoE in every block."""
+
+    def configure_models(self) -> None:
+        super().configure_models()
+        self.model.layers = nn.ModuleList(MoEBlock() for _ in range(LAYERS))
+
+
+def make_moe_trainer(args: Sequence[str] | None = None) -> MoEPlanTrainer:
+    return MoEPlanTrainer(config(args))
