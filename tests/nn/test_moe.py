@@ -204,6 +204,19 @@ def test_expert_parallel_equals_one_process(ranks: dict[str, Any], single: MoETr
 
 
 @pytest.mark.distributed
+def test_ema_averages_expert_parallel_weights_as_one_process(ranks: dict[str, Any]) -> None:
+    from dream_trainer.callbacks import EMA
+
+    ema = EMA(decay=0.5)
+    MoETrainer(moe_config(8, 1, callbacks=[ema])).fit()
+    expected = {key: value for key, value in ema.state_dict().items() if key != "num_updates"}
+    averages = ranks["ep2"]["averages"]
+    assert averages.keys() == expected.keys() and "model.moe.experts.w1" in averages
+    for key, value in expected.items():
+        torch.testing.assert_close(averages[key], value, rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.distributed
 def test_experts_that_do_not_split_over_the_ranks_are_refused(ranks: dict[str, Any]) -> None:
     error = ranks["ep_error"]["error"]
     assert error is not None and "num_experts=3, which expert_parallel=2 does not divide" in error

@@ -11,6 +11,7 @@ import io
 import sys
 from typing import Any
 
+from dream_trainer.callbacks import EMA
 from dream_trainer.callbacks.summaries import ModelSummary
 from dream_trainer.configs import DeviceParameters
 from dream_trainer.parallel.dtensor import is_dtensor
@@ -38,6 +39,9 @@ class Recording(MoETrainer):
         w1 = self.moe().experts.w1  # FSDP2's sharded parameter
         self.held = {"shape": tuple(w1.to_local().shape),
                      "mesh": w1.device_mesh.mesh_dim_names} if is_dtensor(w1) else None
+        ema = next((cb for cb in self.callbacks if isinstance(cb, EMA)), None)
+        self.averages = None if ema is None else gathered(  # full tensors: a collective
+            {key: value for key, value in ema.state_dict().items() if key != "num_updates"})
 
 def run(mode: str) -> dict[str, Any]:
     if mode == "ep_error":  # 3 experts cannot split over 2 ranks
@@ -49,11 +53,14 @@ def run(mode: str) -> dict[str, Any]:
         return {"error": None}
     params, batch, accumulation, fields = MODES[mode]
     summary = io.StringIO()
-    trainer = Recording(moe_config(batch, accumulation, params, **fields,
-                                   callbacks=[ModelSummary(max_depth=0, stream=summary)]))
+    callbacks: list[Any] = [ModelSummary(max_depth=0, stream=summary)]
+    if mode == "ep2":  # the averages of sharded experts, as one process's
+        callbacks.append(EMA(decay=0.5))
+    trainer = Recording(moe_config(batch, accumulation, params, **fields, callbacks=callbacks))
     trainer.fit()
     return {"final": trainer.final, "loads": trainer.loads, "steps": trainer.global_step,
             "grad_norms": trainer.grad_norms, "summary": summary.getvalue(),
+            "averages": trainer.averages,
             "ep_group": trainer.moe().ep_group is not None, "held": trainer.held}
 
 
