@@ -29,6 +29,8 @@ SNAPSHOT = {
     "dream_trainer.parallel": ["FullTensorInit", "PipelineStages", "clip_grad_norm",
                                "find_blocks", "split_model", "stage_ids"],
     "dream_trainer.data": ["ResumableSampler", "ValidationBatches"],
+    "dream_trainer.nn": ["GroupedExperts", "MoE", "active_parameters", "moe_from_hf",
+                         "replace_hf_moe_blocks"],
     "dream_trainer.callbacks": ["EMA", "HOOK_NAMES", "Callback", "CallbackCollection",
                                 "EarlyStopping", "GarbageCollection", "HangWatchdog",
                                 "Histograms", "LRMonitor", "MediaLogger", "ModelSummary",
@@ -43,7 +45,7 @@ TRAINING_FIELDS = ["n_epochs", "train_batch_size", "val_batch_size",
                    "gradient_accumulation_steps", "train_steps_per_epoch", "val_steps_per_epoch",
                    "val_every_n_steps", "num_sanity_val_steps", "gradient_clip_val", "max_steps"]
 DEVICE_FIELDS = ["dp_replicate", "dp_shard", "context_parallel", "tensor_parallel",
-                 "pipeline_parallel", "device", "param_dtype", "reduce_dtype", "compile_model",
+                 "pipeline_parallel", "expert_parallel", "device", "param_dtype", "reduce_dtype", "compile_model",
                  "checkpoint_activations", "cpu_offload", "init_timeout", "train_timeout",
                  "flight_recorder_entries", "detect_anomaly", "pipeline_schedule",
                  "pipeline_microbatches", "pipeline_stages_per_rank", "loss_parallel"]
