@@ -17,15 +17,6 @@ exact comparisons are tests/nn/test_moe.py).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,14 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.processes import child_env
+from benchmarks.step_timer import StepTimer
+from benchmarks.two_rank_steps import compare
+from benchmarks.two_rank_steps import main as two_rank_main
 from dream_trainer import BaseTrainer, BaseTrainerConfig
 from dream_trainer.configs import DeviceParameters, TrainingParameters
 from dream_trainer.mixins import SetupConfigMixin, SetupMixin
 from dream_trainer.nn import MoE
 
 VOCAB, WIDTH, SEQ, LAYERS, EXPERTS, BATCH = 256, 128, 64, 4, 8, 16
-WARMUP = 5
 
 
 class MoELM(nn.Module):
@@ -64,7 +56,7 @@ class BenchConfig(BaseTrainerConfig, SetupConfigMixin):
     steps: int
 
 
-class ExpertBench(BaseTrainer, SetupMixin):
+class ExpertBench(StepTimer, BaseTrainer, SetupMixin):
     """Times each optimizer step (one micro-batch each) from batch start to its end."""
 
     config: BenchConfig
@@ -91,14 +83,6 @@ class ExpertBench(BaseTrainer, SetupMixin):
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         return {}
 
-    def pre_train_batch(self, batch: Any, batch_idx: int) -> None:
-        super().pre_train_batch(batch, batch_idx)
-        self._start = time.perf_counter()
-
-    def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
-        super().post_train_batch(result, batch_idx)
-        self.times.append(time.perf_counter() - self._start)
-
     def post_fit(self) -> None:
         super().post_fit()
         self.final = {name: (param.full_tensor() if hasattr(param, "full_tensor") else param)
@@ -114,43 +98,22 @@ def run(expert_parallel: int, steps: int) -> tuple[float, dict[str, torch.Tensor
         steps=steps, device_parameters=params,
         training_parameters=TrainingParameters(n_epochs=1,
                                                train_batch_size=BATCH // expert_parallel)))
-    trainer.times = []  # type: ignore[attr-defined]
+    trainer.times = []
     trainer.fit()
-    return statistics.median(trainer.times[WARMUP:]), trainer.final  # type: ignore[attr-defined]
-
-
-def _expert_parallel_trial(steps: int) -> tuple[float, dict[str, torch.Tensor]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "ep.pt"
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                   "--standalone", "-m", "benchmarks.expert_steps", "--worker", str(out),
-                   "--steps", str(steps)]
-        result = subprocess.run(command, env=child_env(), capture_output=True, text=True,
-                                timeout=1200)
-        if result.returncode != 0:
-            raise RuntimeError(f"the expert-parallel run failed:\n{result.stderr[-3000:]}")
-        return torch.load(out)
+    return trainer.median_step(), trainer.final  # type: ignore[attr-defined]
 
 
 def measure(steps: int = 40, trials: int = 3) -> dict[str, Any]:
     """Run the trials and summarize them."""
-    ones, eps, errors = [], [], []
-    for _ in range(trials):
-        one, reference = run(1, steps)
-        ep, weights = _expert_parallel_trial(steps)
-        ones.append(one)
-        eps.append(ep)
-        errors.append(max(float((weights[name] - tensor).abs().max())
-                          for name, tensor in reference.items()))
-    ratios = [ep / one for ep, one in zip(eps, ones)]
+    compared = compare(lambda n: run(1, n), "benchmarks.expert_steps", steps, trials)
     return {
         "layers": LAYERS, "width": WIDTH, "experts": EXPERTS, "top_k": 2, "seq_len": SEQ,
         "global_batch": BATCH, "steps": steps, "trials": trials,
-        "median_step_seconds": {"one_process": statistics.median(ones),
-                                "expert_parallel_2": statistics.median(eps)},
-        "ratio_ep2_to_one": statistics.median(ratios),
-        "ratio_spread": [min(ratios), max(ratios)],
-        "max_weight_difference": max(errors),
+        "median_step_seconds": {"one_process": compared["one_process"],
+                                "expert_parallel_2": compared["two_ranks"]},
+        "ratio_ep2_to_one": compared["ratio"],
+        "ratio_spread": compared["ratio_spread"],
+        "max_weight_difference": compared["max_weight_difference"],
     }
 
 
@@ -166,21 +129,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker is not None:  # one rank of the expert-parallel run
-        seconds, weights = run(2, args.steps)
-        if int(os.environ.get("RANK", "0")) == 0:
-            torch.save((seconds, weights), args.worker)
-        return
-    result = measure(args.steps, args.trials)
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    two_rank_main(__doc__.splitlines()[0], measure, lambda steps: run(2, steps), 40)
 
 
 if __name__ == "__main__":

@@ -14,15 +14,6 @@ exact comparisons are tests/parallel/test_pipeline_parallel.py).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,13 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.processes import child_env
+from benchmarks.step_timer import StepTimer
+from benchmarks.two_rank_steps import compare
+from benchmarks.two_rank_steps import main as two_rank_main
 from dream_trainer import BaseTrainer, BaseTrainerConfig
 from dream_trainer.configs import DeviceParameters, TrainingParameters
 from dream_trainer.mixins import SetupConfigMixin, SetupMixin
 
 VOCAB, WIDTH, SEQ, LAYERS, BATCH, MICROBATCHES = 256, 128, 64, 8, 16, 4
-WARMUP = 5
 
 
 class PipelineLM(nn.Module):
@@ -72,7 +64,7 @@ class BenchConfig(BaseTrainerConfig, SetupConfigMixin):
     steps: int
 
 
-class PipelineBench(BaseTrainer, SetupMixin):
+class PipelineBench(StepTimer, BaseTrainer, SetupMixin):
     """Times each optimizer step (one micro-batch each) from batch start to its end."""
 
     config: BenchConfig
@@ -100,14 +92,6 @@ class PipelineBench(BaseTrainer, SetupMixin):
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         return {}
 
-    def pre_train_batch(self, batch: Any, batch_idx: int) -> None:
-        super().pre_train_batch(batch, batch_idx)
-        self._start = time.perf_counter()
-
-    def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
-        super().post_train_batch(result, batch_idx)
-        self.times.append(time.perf_counter() - self._start)
-
     def post_fit(self) -> None:
         super().post_fit()
         named = {name: param.detach().clone() for name, param in self.model.named_parameters()}
@@ -125,44 +109,22 @@ def run(pipeline: int, steps: int) -> tuple[float, dict[str, torch.Tensor]]:
         project="bench", group="pipeline", experiment=f"pp{pipeline}", seed=0, steps=steps,
         device_parameters=params,
         training_parameters=TrainingParameters(n_epochs=1, train_batch_size=BATCH)))
-    trainer.times = []  # type: ignore[attr-defined]
+    trainer.times = []
     trainer.fit()
-    return statistics.median(trainer.times[WARMUP:]), trainer.final  # type: ignore[attr-defined]
-
-
-def _pipeline_trial(steps: int) -> tuple[float, dict[str, torch.Tensor]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "pipeline.pt"
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                   "--standalone", "-m", "benchmarks.pipeline_steps", "--worker", str(out),
-                   "--steps", str(steps)]
-        result = subprocess.run(command, env=child_env(), capture_output=True, text=True,
-                                timeout=1200)
-        if result.returncode != 0:
-            raise RuntimeError(f"the pipeline run failed:\n{result.stderr[-3000:]}")
-        seconds, weights = torch.load(out)
-    return seconds, weights
+    return trainer.median_step(), trainer.final  # type: ignore[attr-defined]
 
 
 def measure(steps: int = 60, trials: int = 3) -> dict[str, Any]:
     """Run the trials and summarize them."""
-    ones, pipes, errors = [], [], []
-    for _ in range(trials):
-        one, reference = run(1, steps)
-        pipe, weights = _pipeline_trial(steps)
-        ones.append(one)
-        pipes.append(pipe)
-        errors.append(max(float((weights[name] - tensor).abs().max())
-                          for name, tensor in reference.items()))
-    ratios = [pipe / one for pipe, one in zip(pipes, ones)]
+    compared = compare(lambda n: run(1, n), "benchmarks.pipeline_steps", steps, trials)
     return {
         "layers": LAYERS, "width": WIDTH, "seq_len": SEQ, "batch": BATCH,
         "microbatches": MICROBATCHES, "schedule": "1F1B", "steps": steps, "trials": trials,
-        "median_step_seconds": {"one_process": statistics.median(ones),
-                                "pipeline_2": statistics.median(pipes)},
-        "ratio_pipeline_to_one": statistics.median(ratios),
-        "ratio_spread": [min(ratios), max(ratios)],
-        "max_weight_difference": max(errors),
+        "median_step_seconds": {"one_process": compared["one_process"],
+                                "pipeline_2": compared["two_ranks"]},
+        "ratio_pipeline_to_one": compared["ratio"],
+        "ratio_spread": compared["ratio_spread"],
+        "max_weight_difference": compared["max_weight_difference"],
     }
 
 
@@ -179,21 +141,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker is not None:  # one rank of the pipeline run
-        seconds, weights = run(2, args.steps)
-        if int(os.environ.get("RANK", "0")) == 0:
-            torch.save((seconds, weights), args.worker)
-        return
-    result = measure(args.steps, args.trials)
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    two_rank_main(__doc__.splitlines()[0], measure, lambda steps: run(2, steps), 60)
 
 
 if __name__ == "__main__":

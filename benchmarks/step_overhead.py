@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks import lightning_steps
 from benchmarks.processes import REPO_ROOT, child_env
+from benchmarks.step_timer import StepTimer
 from benchmarks.workloads import (BATCH, LR, SEED, build_model, dataset, hand_written,
                                   init_weights)
 from dream_trainer import BaseTrainer, BaseTrainerConfig, DreamTrainer, DreamTrainerConfig
@@ -50,7 +50,7 @@ class BenchConfig(BaseTrainerConfig, SetupConfigMixin):
     steps: int
 
 
-class Timed:
+class Timed(StepTimer):
     """Shared by (b) and (c): time each step from pre_train_batch to post_train_batch."""
 
     def configure_models(self) -> None:
@@ -76,13 +76,6 @@ class Timed:
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         return {}
 
-    def pre_train_batch(self, batch: Any, batch_idx: int) -> None:
-        super().pre_train_batch(batch, batch_idx)  # type: ignore[misc]
-        self._start = time.perf_counter()
-
-    def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
-        super().post_train_batch(result, batch_idx)  # type: ignore[misc]
-        self.times.append(time.perf_counter() - self._start)
 
 
 class BaseBench(Timed, BaseTrainer, SetupMixin):

@@ -343,10 +343,14 @@ def report(trainer: CharGPTTrainer) -> None:
     print(f"checkpoints: {trainer.checkpoint_dir.resolve()}")
 
 
-def main() -> None:
-    trainer = make_trainer()
+def run(trainer: CharGPTTrainer) -> None:
+    """Train, then report (``moe_gpt.py`` runs its trainer the same way)."""
     trainer.fit()
     report(trainer)
+
+
+def main() -> None:
+    run(make_trainer())
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from pydantic import Field, PositiveFloat, PositiveInt
 from typing_extensions import override
 
 # Run as a script, this file's directory is sys.path[0], so its sibling imports as a module.
-from char_gpt import CharGPT, CharGPTConfig, CharGPTTrainer, GPTParameters, report
+from char_gpt import CharGPT, CharGPTConfig, CharGPTTrainer, GPTParameters, run
 from char_gpt import default_config as char_gpt_config
 
 from dream_trainer.configs import apply_cli_overrides
@@ -106,11 +106,5 @@ def make_trainer(args: list[str] | None = None) -> MoEGPTTrainer:
     return MoEGPTTrainer(apply_cli_overrides(default_config(), args, description=__doc__))
 
 
-def main() -> None:
-    trainer = make_trainer()
-    trainer.fit()
-    report(trainer)
-
-
 if __name__ == "__main__":
-    main()
+    run(make_trainer())

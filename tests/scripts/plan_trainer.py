@@ -46,7 +46,10 @@ class Block(nn.Module):
                    for proj in (self.q, self.k, self.v))
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o(attended.transpose(1, 2).reshape(batch, seq, -1))
-        return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
+        return x + self.feed_forward(self.mlp_norm(x))
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
 
 
 class PlannedGPT(nn.Module):
@@ -173,14 +176,8 @@ class MoEBlock(Block):
         del self.up, self.down
         self.moe = MoE(DIM, 2 * DIM, EXPERTS, TOP_K, bias_update_rate=1e-3)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.attn_norm(x)
-        batch, seq, _ = h.shape
-        q, k, v = (proj(h).view(batch, seq, -1, HEAD_DIM).transpose(1, 2)
-                   for proj in (self.q, self.k, self.v))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(attended.transpose(1, 2).reshape(batch, seq, -1))
-        return x + self.moe(self.mlp_norm(x))
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)
 
 
 class MoEPlanTrainer(PlanTrainer):
