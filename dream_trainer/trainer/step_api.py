@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from abc import abstractmethod
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from dream_trainer.nn.moe import update_expert_biases
+from dream_trainer.nn.moe import moe_layers
 from dream_trainer.parallel.dtensor import full_value
 from dream_trainer.parallel.grad_norm import clip_grad_norm
 from dream_trainer.parallel.pipeline import (PipelineStages, reduce_tied_gradients,
@@ -198,9 +199,18 @@ class StepAPI(AbstractTrainer):
                 self.world.dp_size)
 
     def _balance_experts(self, model: nn.Module) -> None:
+        # The MoE layers of each model are found once, not by walking every module each step.
+        found: weakref.WeakKeyDictionary[nn.Module, list[Any]] = vars(self).setdefault(
+            "_moe_layers", weakref.WeakKeyDictionary())
+        if model not in found:
+            found[model] = list(moe_layers(model))
+        if not found[model]:
+            return
         # The load of every micro-batch on every data-parallel rank: one process's batch.
         dp_mesh = self.world.dp_mesh
-        update_expert_biases(model, None if dp_mesh is None else dp_mesh.get_group())
+        group = None if dp_mesh is None else dp_mesh.get_group()
+        for layer in found[model]:
+            layer.update_bias(group)
 
     def _clip(self, model: nn.Module) -> torch.Tensor:
         pp_mesh = self.world.get_mesh(MeshAxis.PP)
