@@ -28,7 +28,7 @@ SNAPSHOT = {
     "dream_trainer.optim": ["warmup_decay_schedule", "weight_decay_groups"],
     "dream_trainer.parallel": ["FullTensorInit", "PipelineStages", "clip_grad_norm",
                                "find_blocks", "split_model", "stage_ids"],
-    "dream_trainer.data": ["ResumableSampler", "ValidationBatches"],
+    "dream_trainer.data": ["ResumableSampler", "ShardedStream", "ValidationBatches"],
     "dream_trainer.nn": ["GroupedExperts", "MoE", "active_parameters", "moe_from_hf",
                          "replace_hf_moe_blocks"],
     "dream_trainer.callbacks": ["EMA", "HOOK_NAMES", "Callback", "CallbackCollection",

@@ -12,6 +12,7 @@ from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomS
 from torch.utils.data.distributed import DistributedSampler
 
 from dream_trainer.data.samplers import ResumableSampler, ValidationBatches
+from dream_trainer.data.sharded import check_stream_loader, stream_of
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +30,16 @@ def prepare_loader(loader: Iterable[Any] | None, num_replicas: int, rank: int, s
     - for validation, with ``ValidationBatches``: each sample is read once, by one rank, so
       that metrics and means over the ranks equal one process's.
 
+    A loader over a ``ShardedStream`` is kept, and the stream told this rank's share.
     Loaders that already split the data, iterable datasets and custom samplers are returned
     unchanged (the last with a warning when there are several ranks: they must split the data
     themselves).
     """
+    stream = stream_of(loader)
+    if stream is not None:
+        check_stream_loader(loader)
+        stream.distribute(num_replicas, rank)
+        return loader
     if loader is None or not isinstance(loader, DataLoader):
         return loader
     if isinstance(loader.dataset, IterableDataset):

@@ -1,6 +1,6 @@
 """The train loader as the loop reads it: epoch by epoch, and resumable without replay.
 
-Three kinds of train loader resume mid-epoch in three ways:
+Four kinds of train loader resume mid-epoch in four ways:
 
 - a ``DataLoader`` over a map-style dataset has a ``ResumableSampler`` (see ``loaders``): the
   resumed epoch skips the samples already read without loading them, also on another number
@@ -10,6 +10,9 @@ Three kinds of train loader resume mid-epoch in three ways:
   processes over a dataset that has them: its state is checkpointed for each data-parallel
   rank and loaded back, so the resumed run continues where the loader was, reading nothing
   twice, in a time that does not grow with the position;
+- a loader over a ``ShardedStream`` (see ``sharded``): each rank saves what its slots read, and a
+  resume merges every rank's into one global position that any number of ranks and workers
+  continue from;
 - any other loader is read from the start of the epoch and the batches already done are
   discarded, which repeats them only if its order is deterministic.
 
@@ -27,6 +30,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from dream_trainer.data.loaders import epoch_batches, has_resumable_sampler, set_sampler_epoch
+from dream_trainer.data.sharded import loader_piece, merge_progress, stream_of
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +66,7 @@ class TrainBatches:
         self.loader = loader
         self.samples_per_batch = samples_per_batch
         self.holder = state_holder(loader)
+        self.stream = stream_of(loader)
         self._iterator: Iterator[Any] | None = None
         self._restored = False
 
@@ -103,14 +108,17 @@ class TrainBatches:
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> Any | None:
         """The loader's position (this rank's), or None when it keeps none."""
+        if self.stream is not None:
+            return loader_piece(self.loader, self.stream)
         return None if self.holder is None else self.holder.state_dict()
 
     def load_state_dict(self, states: Mapping[int, Any], saved_dp: int, dp_size: int,
                         dp_rank: int) -> None:
         """Restore this rank's position from every saved data-parallel rank's.
 
-        With another number of data-parallel ranks than the checkpoint's, the loader (or its
-        dataset) must define ``resplit_state(states, num_replicas, rank)``, which turns the
+        A ``ShardedStream`` continues from the saved ranks' reads merged, on any number of
+        ranks. Otherwise, with another number of data-parallel ranks than the checkpoint's,
+        the loader (or its dataset) must define ``resplit_state(states, num_replicas, rank)``, which turns the
         saved ranks' states (a list, by saved rank) into this rank's.
 
         Raises:
@@ -119,22 +127,42 @@ class TrainBatches:
         """
         if self.holder is None or not states:
             return
-        if saved_dp == dp_size:
-            state = states[dp_rank]
+        if self.stream is not None:
+            self._resume_stream([states[rank] for rank in range(saved_dp)])
         else:
-            resplit = getattr(self.holder, "resplit_state", None) \
-                or getattr(getattr(self.holder, "dataset", None), "resplit_state", None)
-            if resplit is None:
-                raise ValueError(
-                    f"the checkpoint holds the train loader's position for {saved_dp} "
-                    f"data-parallel ranks, and this run has {dp_size}: a stream's position "
-                    "belongs to the rank that read it, so resume with "
-                    f"{saved_dp} data-parallel ranks, or give the loader or its dataset a "
-                    "resplit_state(states, num_replicas, rank) method that turns the saved "
-                    "ranks' states into this rank's (see the data guide)"
-                )
-            state = resplit([states[rank] for rank in range(saved_dp)], dp_size, dp_rank)
-        self.holder.load_state_dict(state)
+            self.holder.load_state_dict(self._rank_state(states, saved_dp, dp_size, dp_rank))
         self._iterator = None
         self._restored = True
+
+    def _rank_state(self, states: Mapping[int, Any], saved_dp: int, dp_size: int,
+                    dp_rank: int) -> Any:
+        if saved_dp == dp_size:
+            return states[dp_rank]
+        resplit = getattr(self.holder, "resplit_state", None) \
+            or getattr(getattr(self.holder, "dataset", None), "resplit_state", None)
+        if resplit is None:
+            raise ValueError(
+                f"the checkpoint holds the train loader's position for {saved_dp} "
+                f"data-parallel ranks, and this run has {dp_size}: a stream's position "
+                "belongs to the rank that read it, so resume with "
+                f"{saved_dp} data-parallel ranks, read a dream_trainer.data.ShardedStream "
+                "(its position is global), or give the loader or its dataset a "
+                "resplit_state(states, num_replicas, rank) method that turns the saved "
+                "ranks' states into this rank's (see the data guide)"
+            )
+        return resplit([states[rank] for rank in range(saved_dp)], dp_size, dp_rank)
+
+    def _resume_stream(self, pieces: list[Any]) -> None:
+        """Continue a ``ShardedStream`` from every saved rank's reads, merged.
+
+        Raises:
+            ValueError: if the checkpoint's positions were not a stream's.
+        """
+        assert self.stream is not None
+        if not all(isinstance(piece, Mapping) and "reads" in piece for piece in pieces):
+            raise ValueError(
+                "the checkpoint's train loader position was not saved by a ShardedStream "
+                "(the run that wrote it read another loader): resume with that loader"
+            )
+        self.stream.resume(merge_progress(pieces))
 
