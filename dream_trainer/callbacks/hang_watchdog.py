@@ -15,6 +15,8 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 from typing_extensions import override
 
+from dream_trainer.callbacks.hang_report import (read_records, verdict, wait_for_records,
+                                                 write_record)
 from dream_trainer.trainer.callback import Callback
 
 
@@ -33,20 +35,33 @@ class HangWatchdog(Callback):
     then shows which collective the ranks disagree on. ``DeviceParameters
     .flight_recorder_entries`` sizes (or turns off) the recorder.
 
+    Each ended rank also writes ``<trace_dir>/hang_rank<R>.json`` (its step, the frames of its
+    main thread, its process groups by mesh axis, its recorded collectives) and waits up to
+    ``report_wait`` seconds for the others'; rank 0 then prints one verdict: the ranks behind,
+    the first collective they never entered (sequence number and mesh axis) and the frame each
+    is in (see ``hang_report``; ``dream-trainer diagnose DIR`` prints it afterwards).
+
     Args:
         timeout: Seconds without a finished batch before the process is ended. Allow for the
             slowest legitimate gap: a checkpoint save, a validation pass's first batch.
-        trace_dir: Where the flight recorder dumps go; the system's temporary directory when
-            None.
+        trace_dir: Where the flight recorder dumps and the hang records go; the system's
+            temporary directory when None.
+        report_wait: Seconds each ended rank waits for the other ranks' records before it
+            exits; rank 0 then prints the verdict from those it has.
 
     Raises:
         ValueError: if ``timeout`` is not a positive, finite number of seconds.
     """
 
-    def __init__(self, timeout: float, trace_dir: str | Path | None = None) -> None:
+    def __init__(self, timeout: float, trace_dir: str | Path | None = None,
+                 report_wait: float = 10.0) -> None:
         if not (timeout > 0 and math.isfinite(timeout)):
             raise ValueError(f"HangWatchdog timeout must be a positive number of seconds, "
                              f"got {timeout}")
+        if not (report_wait >= 0 and math.isfinite(report_wait)):
+            raise ValueError(f"HangWatchdog report_wait must be a non-negative number of "
+                             f"seconds, got {report_wait}")
+        self.report_wait = float(report_wait)
         self.timeout = float(timeout)
         self.trace_dir = Path(trace_dir if trace_dir is not None else tempfile.gettempdir())
         # time.monotonic() of the last progress; None while disarmed. Plain attribute reads and
@@ -119,8 +134,25 @@ class HangWatchdog(Callback):
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             sys.stderr.flush()
             self._dump_flight_recorder(trainer.world.rank)
+            self._report(stuck)
         finally:
             os._exit(1)
+
+    def _report(self, stuck: float) -> None:
+        """Write this rank's record, wait for the other ranks' and, on rank 0, print the
+        verdict. Every rank waits, so none exits (and has its launcher end the others) before
+        all have written."""
+        trainer = self.trainer
+        world = trainer.world
+        config = trainer.config
+        run = f"{config.project}/{config.group}/{config.experiment}#{world.env.restart_count}"
+        write_record(self.trace_dir, run, world.rank, world.world_size, trainer.global_step,
+                     trainer.current_epoch, stuck, world.mesh)
+        wait_for_records(self.trace_dir, run, world.world_size, self.report_wait)
+        if world.rank == 0:
+            print(verdict(read_records(self.trace_dir, run)), file=sys.stderr, flush=True)
+            print(f"HangWatchdog: the records are in {self.trace_dir}; `dream-trainer diagnose "
+                  f"{self.trace_dir}` prints this verdict again", file=sys.stderr, flush=True)
 
     def _dump_flight_recorder(self, rank: int) -> None:
         """Write the flight recorder's pickled entries, if a process group records them."""

@@ -3,7 +3,8 @@
 ``summarize``, ``benchmark``, ``profile``, ``plan`` and ``find-graph-breaks`` take a TARGET
 naming the user's trainer factory (``path/to/script.py:NAME`` or ``package.module:NAME``)
 followed by config overrides for it; ``export`` turns a checkpoint into safetensors files;
-``lighthouse`` serves torchft's lighthouse for fault-tolerant replica groups. See
+``lighthouse`` serves torchft's lighthouse for fault-tolerant replica groups; ``diagnose``
+prints the verdict on a hung run from the records ``HangWatchdog`` wrote. See
 ``docs/cli.md``.
 """
 
@@ -15,8 +16,8 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from dream_trainer.cli import (benchmark, export, find_graph_breaks, lighthouse, plan, profile,
-                               summarize)
+from dream_trainer.cli import (benchmark, diagnose, export, find_graph_breaks, lighthouse, plan,
+                               profile, summarize)
 from dream_trainer.errors import TargetError
 
 __all__ = ["build_parser", "main"]
@@ -42,9 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dream-trainer", allow_abbrev=False, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Inspect, time, profile, plan and compile-check a dream_trainer trainer; "
-                    "export checkpoints; serve the lighthouse of fault-tolerant replica groups.")
+                    "export checkpoints; serve the lighthouse of fault-tolerant replica groups; "
+                    "diagnose a hung run.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (summarize, benchmark, profile, plan, find_graph_breaks, export, lighthouse):
+    for command in (summarize, benchmark, profile, plan, find_graph_breaks, export, lighthouse,
+                    diagnose):
         subparser = command.add_parser(commands)
         if subparser.get_default("takes_overrides"):
             usage = " ".join(subparser.format_usage().split()[1:])

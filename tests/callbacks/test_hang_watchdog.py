@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 import re
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from dream_trainer.callbacks import Callback
+from dream_trainer.callbacks.hang_report import read_records, verdict
 from dream_trainer.callbacks.hang_watchdog import HangWatchdog
 from tests.helpers.launch import REPO, check, child_env, spawn_ranks
 from tests.helpers.toy import ToyTrainer, toy_config
@@ -93,6 +95,64 @@ def test_hung_rank_and_its_blocked_peer_are_ended_with_their_stacks(tmp_path: Pa
     assert last[0]["profiling_name"] == "gloo:all_reduce" and not last[0]["retired"], last
     assert all(entry["retired"] for entry in dumps[1]["entries"]), last
     assert last[0]["collective_seq_id"] == last[1]["collective_seq_id"] + 1, last
+
+
+@pytest.mark.distributed
+def test_the_verdict_names_the_sleeping_rank_its_collective_and_its_frame(
+        tmp_path: Path) -> None:
+    procs = spawn_ranks(SCRIPT, ["verdict", str(tmp_path)], nproc=4)
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=300)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    # Every rank was ended by its watchdog (rank 1 from inside its hour-long sleep).
+    assert [proc.returncode for proc in procs] == [1, 1, 1, 1], outputs
+    assert all("finished without hanging" not in output for output in outputs)
+    records = read_records(tmp_path)
+    assert sorted(records) == [0, 1, 2, 3]
+    # From the raw records: the group where rank 1 is one collective behind the others.
+    behind = [(name, status["enqueued"]) for name, status in records[1]["status"].items()
+              if any(records[r]["status"][name]["enqueued"] > status["enqueued"]
+                     for r in (0, 2, 3))]
+    assert len(behind) == 1, [record["status"] for record in records.values()]
+    group, last = behind[0]
+    assert all(records[r]["status"][group]["enqueued"] == last + 1 for r in (0, 2, 3))
+    axis = records[0]["groups"][group]["axis"]
+    line = next(number for number, text in enumerate(SCRIPT.read_text().splitlines(), 1)
+                if text.strip().endswith("# the hang"))
+    expected = (f"rank 1 never entered all_reduce #{last + 1} on {axis}; it is at "
+                f"hang_run.py:{line} in training_step")
+    assert expected in outputs[0], outputs[0]
+    assert "ranks [0, 2, 3] entered all_reduce" in outputs[0], outputs[0]
+    # The command line reads the same records to the same verdict.
+    diagnosed = subprocess.run([sys.executable, "-m", "dream_trainer", "diagnose",
+                                str(tmp_path)], env=child_env(), capture_output=True,
+                               text=True, timeout=120)
+    assert diagnosed.returncode == 0 and expected in diagnosed.stdout, diagnosed.stderr
+
+
+def test_without_collective_records_the_verdict_comes_from_the_stacks(tmp_path: Path) -> None:
+    def record(rank: int, stack: list[tuple[str, int, str]]) -> None:
+        frames = [{"file": f, "line": n, "function": name} for f, n, name in stack]
+        (tmp_path / f"hang_rank{rank}.json").write_text(json.dumps(
+            {"run": "r", "written": 1.0, "rank": rank, "world_size": 3, "global_step": 7,
+             "epoch": 0, "stuck_seconds": 5.0, "stack": frames, "groups": {},
+             "recorder": None, "status": {}, "entries": []}))
+
+    collective = "/x/torch/distributed/distributed_c10d.py"
+    record(0, [("/job/train.py", 10, "main"), ("/job/train.py", 50, "training_step"),
+               (collective, 3000, "all_reduce")])
+    record(1, [("/job/train.py", 10, "main"), ("/job/train.py", 42, "training_step")])
+    text = verdict(read_records(tmp_path))
+    assert "no report" not in text and "no record from ranks [2]" in text, text
+    assert "this verdict comes from the stacks alone" in text, text
+    assert "ranks [0] wait in a collective; ranks [1] are not in one" in text, text
+    assert "rank 1 is at train.py:42 in training_step" in text, text
+    with pytest.raises(FileNotFoundError, match="HangWatchdog writes them"):
+        read_records(tmp_path / "empty")
 
 
 def test_slow_progress_setup_and_stop_training_are_not_hangs() -> None:

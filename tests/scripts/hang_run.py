@@ -5,6 +5,10 @@ waits for it in a collective. Rank 0's watchdog (3 s) ends rank 0 while rank 1 s
 so rank 0 is ended by its own watchdog, not by a broken connection; rank 1's (5 s) ends rank 1.
 Both dump their flight recorders to the directory given as the second argument.
 
+``verdict`` (4 ranks, flight recorder on): rank 1 sleeps in training_step at global step 2
+while the others wait for it in the step's gradient all-reduce; every watchdog (4 s) ends its
+rank after writing its record, and rank 0 prints the verdict.
+
 ``progress`` (1 process): setup, and every step, are slow but each within the timeout or before
 the watchdog arms; StopTraining then ends fit() without post_fit, and the process lives on
 past the timeout. It must print "survived" and exit 0.
@@ -19,6 +23,7 @@ from typing import Any
 
 from dream_trainer.callbacks import Callback
 from dream_trainer.callbacks.hang_watchdog import HangWatchdog
+from dream_trainer.configs import DeviceParameters
 from dream_trainer.trainer import StopTraining
 from tests.helpers.toy import ToyTrainer, toy_config
 
@@ -28,6 +33,13 @@ class HangsOnRankOne(ToyTrainer):
         if self.world.rank == 1 and self.global_step == 2:
             print(f"rank 1 hangs from {time.time():.3f}", flush=True)
             time.sleep(3600)
+        return super().training_step(batch, batch_idx)
+
+
+class SleepsOnRankOne(ToyTrainer):
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        if self.world.rank == 1 and self.global_step == 2:
+            time.sleep(3600)  # the hang
         return super().training_step(batch, batch_idx)
 
 
@@ -55,6 +67,14 @@ def hang() -> None:
     print("finished without hanging")
 
 
+def verdict() -> None:
+    watchdog = HangWatchdog(timeout=4.0, trace_dir=sys.argv[2], report_wait=60.0)
+    config = toy_config(callbacks=[watchdog], n_epochs=5, n_samples=320,
+                        device_parameters=DeviceParameters(flight_recorder_entries=200))
+    SleepsOnRankOne(config).fit()
+    print("finished without hanging")
+
+
 def progress() -> None:
     watchdog = HangWatchdog(timeout=SlowButProgressing.TIMEOUT)
     trainer = SlowButProgressing(toy_config(callbacks=[watchdog, StopAfterFirstEpoch()],
@@ -65,4 +85,4 @@ def progress() -> None:
 
 
 if __name__ == "__main__":
-    {"hang": hang, "progress": progress}[sys.argv[1]]()
+    {"hang": hang, "verdict": verdict, "progress": progress}[sys.argv[1]]()

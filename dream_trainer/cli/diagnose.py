@@ -1,0 +1,34 @@
+"""``dream-trainer diagnose``: the hang verdict from the records HangWatchdog wrote."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from dream_trainer.callbacks.hang_report import read_records, verdict
+
+
+def add_parser(commands: Any) -> argparse.ArgumentParser:
+    parser = commands.add_parser(
+        "diagnose", allow_abbrev=False,
+        help="say which rank and collective a hung run stopped at",
+        description="Read the hang_rank<R>.json records that HangWatchdog wrote when it ended "
+                    "a hung run (its trace_dir) and print the verdict: which ranks were "
+                    "behind, the first collective they never entered (sequence number and "
+                    "mesh axis), and the frame each rank was in.")
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR",
+                        help="the directory with the records (HangWatchdog's trace_dir)")
+    parser.set_defaults(run=run, takes_overrides=False)
+    return parser
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    try:
+        records = read_records(args.run_dir)
+    except FileNotFoundError as exc:
+        print(f"dream-trainer diagnose: error: {exc}", file=sys.stderr)
+        return 1
+    print(verdict(records))
+    return 0
