@@ -37,3 +37,28 @@ def set_rng_state(state: dict[str, Any]) -> None:
                              cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def resized_streams(saved_world_size: int, world_size: int) -> str:
+    """One line saying what becomes of per-rank random generator streams when a checkpoint
+    written by ``saved_world_size`` processes resumes on ``world_size``.
+
+    Each rank restores the streams saved by the rank of the same number, where there is one;
+    a rank the checkpoint has none for keeps the generators its setup seeded.
+    """
+    shared = min(saved_world_size, world_size)
+    line = (f"the checkpoint was written by {_processes(saved_world_size)} and this run has "
+            f"{world_size}, so per-rank random generator streams do not carry over exactly: "
+            f"on {_ranks(0, shared)} the streams saved by the same rank are restored; ")
+    if world_size > saved_world_size:
+        return line + (f"on {_ranks(saved_world_size, world_size)} none were saved, so the "
+                       "generators stay as this run's setup left them (seeded with config.seed)")
+    return line + f"the streams saved by {_ranks(world_size, saved_world_size)} are unused"
+
+
+def _processes(count: int) -> str:
+    return f"{count} process" if count == 1 else f"{count} processes"
+
+
+def _ranks(start: int, stop: int) -> str:
+    return f"rank {start}" if stop - start == 1 else f"ranks {start}-{stop - 1}"

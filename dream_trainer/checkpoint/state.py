@@ -181,6 +181,12 @@ class TrainingState:
         source: The checkpoint loaded from, named when one of its values is refused.
         trusted: Globals its packed values may unpickle besides the allowlist (see
             ``checkpoint.trust``).
+
+    Attributes:
+        loaded_rng: After loading, this rank's saved random generator states: those the rank
+            of the same number saved, or None when the checkpoint was written by fewer ranks.
+        saved_world_size: After loading (not ``weights_only``), how many processes wrote the
+            checkpoint. On another number, per-rank streams cannot all carry over.
     """
 
     def __init__(self, trainer: AbstractTrainer, weights_only: bool = False,
@@ -195,6 +201,7 @@ class TrainingState:
         self.flat_optimizers = trainer.world.dims.pp > 1 if flat_optimizers is None \
             else flat_optimizers
         self.loaded_rng: dict[str, Any] | None = None
+        self.saved_world_size: int | None = None
         self.resumed_mid_epoch = False
 
     def _unpack(self, blob: bytes, key: str) -> Any:
@@ -291,7 +298,7 @@ class TrainingState:
         own = state_dict.get(rank_key(trainer.world.rank))
         mine = self._unpack(own, rank_key(trainer.world.rank)) if own is not None else None
         self.loaded_rng = None if mine is None else mine["rng"]
-        saved_world = int(shared["world_size"])
+        saved_world = self.saved_world_size = int(shared["world_size"])
         if saved_world == trainer.world.world_size and mine is not None:
             call_through(trainer, "load_rank_state_dict", mine["user"])
         elif call_through(trainer, "rank_state_dict"):

@@ -23,7 +23,7 @@ from dream_trainer.checkpoint.layout import (CONFIG, INFO, METADATA, CheckpointE
                                              step_dir)
 from dream_trainer.checkpoint.lock import RunLock
 from dream_trainer.checkpoint.retention import rotate
-from dream_trainer.checkpoint.rng import set_rng_state
+from dream_trainer.checkpoint.rng import resized_streams, set_rng_state
 from dream_trainer.checkpoint.state import SHARED, TrainingState, check_shared, digest
 from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.configs.base import ConfigModel
@@ -52,6 +52,10 @@ class CheckpointMixin(AbstractTrainer):
     ``config.json``). A checkpoint directory counts only once DCP has written its
     ``.metadata``, which happens after every rank's data: a crash mid-save leaves a directory
     that resume skips, and older checkpoints are deleted only after a newer one is complete.
+    A checkpoint resumes on any layout and number of processes; only per-rank state cannot
+    follow a change of that number: ``rank_state_dict()`` is then refused, and of the random
+    generator streams only those of ranks both runs have carry over, which rank 0 logs in one
+    warning (see ``load_checkpoint``).
 
     SIGTERM or SIGUSR1 make every rank save at the next optimizer step and leave ``fit()``
     normally (``preempted`` is then True), so a scheduler's preemption costs no work.
@@ -342,6 +346,11 @@ class CheckpointMixin(AbstractTrainer):
     def load_checkpoint(self, path: str | Path, weights_only: bool = False) -> None:
         """Load a checkpoint written by any number of ranks (collective).
 
+        Each rank restores the random generator streams saved by the rank of the same number;
+        when the checkpoint was written by another number of processes, ranks it has no
+        streams for keep their seeded generators, the streams of ranks this run lacks go
+        unused, and rank 0 logs one warning saying so.
+
         Raises:
             CheckpointError: naming a missing or truncated file, or the keys whose shapes
                 differ from this trainer's models.
@@ -386,10 +395,11 @@ class CheckpointMixin(AbstractTrainer):
         if weights_only:
             logger.info("loaded model weights from %s", path)
             return
-        if state.loaded_rng is None:
-            logger.warning("%s has no random state for rank %d (it was written by fewer "
-                           "ranks): random streams continue from the seed", path,
-                           self.world.rank)
+        saved_world_size = state.saved_world_size
+        if saved_world_size is not None and saved_world_size != self.world.world_size \
+                and self.world.is_rank_zero:
+            logger.warning("resuming %s: %s", path,
+                           resized_streams(saved_world_size, self.world.world_size))
         self._pending_rng = state.loaded_rng
         self._rng_mid_epoch = state.resumed_mid_epoch
         self._last_saved_step = self.global_step
