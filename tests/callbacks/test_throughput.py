@@ -119,11 +119,13 @@ def test_values_are_logged_every_window_steps(monkeypatch: pytest.MonkeyPatch) -
     trainer = fit(monkeypatch, Throughput(window=3), FakeClock(0.5), Logging, n_samples=64)
     assert [step for _, step in trainer.logged] == [3, 6]  # type: ignore[attr-defined]
     logged = trainer.logged[0][0]  # type: ignore[attr-defined]
+    # One rank: the spread of busy times is its own step time (the fake clock sees no wait).
     assert {key: value for key, value in logged.items() if key.startswith("throughput/")} == {
-        "throughput/step_time": 0.5, "throughput/samples_per_second": 16.0}
+        "throughput/step_time": 0.5, "throughput/samples_per_second": 16.0,
+        "throughput/busy_time_min": 0.5, "throughput/busy_time_median": 0.5,
+        "throughput/busy_time_max": 0.5, "throughput/slowest_rank": 0.0}
     # Memory comes along; the CUDA peaks only on CUDA.
-    assert set(logged) - {"throughput/step_time", "throughput/samples_per_second"} == {
-        "memory/rss_gib"}
+    assert {key for key in logged if not key.startswith("throughput/")} == {"memory/rss_gib"}
 
 
 def test_memory_is_the_process_rss(monkeypatch: pytest.MonkeyPatch) -> None:
