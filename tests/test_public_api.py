@@ -48,7 +48,8 @@ DEVICE_FIELDS = ["dp_replicate", "dp_shard", "context_parallel", "tensor_paralle
                  "pipeline_parallel", "expert_parallel", "device", "param_dtype", "reduce_dtype", "compile_model",
                  "checkpoint_activations", "cpu_offload", "init_timeout", "train_timeout",
                  "flight_recorder_entries", "detect_anomaly", "pipeline_schedule",
-                 "pipeline_microbatches", "pipeline_stages_per_rank", "loss_parallel"]
+                 "pipeline_microbatches", "pipeline_stages_per_rank", "loss_parallel",
+                 "float8_recipe", "float8_filter"]
 
 
 def test_all_matches_the_snapshot() -> None:
@@ -73,7 +74,7 @@ def test_import_pulls_in_no_optional_extra() -> None:
     assert "torch" in modules  # the probe really ran the import
     for heavy in ("wandb", "torchmetrics", "lightning", "rich.progress", "rich.console",
                   "tensorboard", "torch.utils.tensorboard", "PIL", "sklearn", "transformers",
-                  "torchft", "opentelemetry"):
+                  "torchft", "torchao", "opentelemetry"):
         assert heavy not in modules, heavy
     # Each of these takes about a second to import (DTensor pulls in sympy); they load when a
     # run first shards, checkpoints or exports, not at `import dream_trainer`.

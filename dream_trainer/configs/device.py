@@ -51,6 +51,12 @@ PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
                            "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 """The ``torch.distributed.pipelining`` schedules a pipeline can run."""
 
+Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+"""torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``)."""
+
+DEFAULT_FLOAT8_FILTER: tuple[str, ...] = ("output", "head", "lm_head")
+"""Module names kept in high precision by default: the usual names of an output head."""
+
 SINGLE_STAGE_SCHEDULES = frozenset({"GPipe", "1F1B"})
 """Schedules that run exactly one stage per rank."""
 V_SCHEDULES = frozenset({"ZBVZeroBubble", "DualPipeV"})
@@ -182,6 +188,20 @@ class DeviceParameters(ConfigModel):
     """Compute the loss of ``forward_backward``/``forward_loss`` inside torch's
     ``loss_parallel()``: cross-entropy over logits sharded on the vocabulary dimension
     (a DTensor ``Shard(-1)``) without gathering them. Needs ``tensor_parallel > 1``."""
+    float8_recipe: Float8Recipe | None = None
+    """Train the models' ``nn.Linear`` layers in float8 with torchao (extra ``[float8]``):
+    ``"tensorwise"`` (one scale per tensor; with ``dp_shard > 1`` FSDP2 all-gathers the
+    weights in float8), ``"rowwise"`` (a scale per row) or ``"rowwise_with_gw_hp"`` (rowwise,
+    with the weight gradient computed in high precision). Weights, gradients, optimizer
+    state and checkpoints stay in ``param_dtype``. Without float8 hardware (a CPU, or CUDA
+    capability below 8.9) the float8 matmuls are emulated: same numerics, no speed-up."""
+    float8_filter: tuple[str, ...] = DEFAULT_FLOAT8_FILTER
+    """Module names kept in high precision when ``float8_recipe`` is set: an entry matches a
+    module when it is a run of whole components of the module's name (``"head"`` keeps
+    ``head``, ``model.head`` and everything under them; ``"layers.0"`` the first block). The
+    default keeps the usual names of an output head. Linear layers whose ``in_features`` or
+    ``out_features`` is not a multiple of 16 always stay in high precision (float8 matmuls
+    need it)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -224,7 +244,23 @@ class DeviceParameters(ConfigModel):
                              "turn loss_parallel off")
         self._check_pipeline()
         self._check_experts()
+        self._check_float8()
         return self
+
+    def _check_float8(self) -> None:
+        if self.float8_recipe is None:
+            # Compared with the default, not model_fields_set: a dumped and re-read config
+            # sets every field.
+            if self.float8_filter != DEFAULT_FLOAT8_FILTER:
+                raise ValueError("float8_filter is set but float8_recipe is None, so nothing "
+                                 "is converted to float8: set float8_recipe ('tensorwise', "
+                                 "'rowwise' or 'rowwise_with_gw_hp'), or drop float8_filter")
+            return
+        for entry in self.float8_filter:
+            parts = entry.split(".")
+            if not entry or any(not part or part != part.strip() for part in parts):
+                raise ValueError(f"float8_filter entry {entry!r} is not a module name: give "
+                                 "dotted names such as 'head' or 'layers.0.mlp'")
 
     def _check_experts(self) -> None:
         ep = self.expert_parallel

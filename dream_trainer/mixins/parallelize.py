@@ -1,9 +1,11 @@
-"""How ``SetupMixin`` parallelizes the models: the overridable hooks (pipeline split, tensor
-parallelism, activation checkpointing, compilation, FSDP2, DDP) and the order they run in."""
+"""How ``SetupMixin`` parallelizes the models: float8 conversion, the overridable hooks
+(pipeline split, tensor parallelism, activation checkpointing, compilation, FSDP2, DDP) and
+the order they run in."""
 
 from __future__ import annotations
 
 import copy
+import logging
 from abc import abstractmethod
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +17,7 @@ from dream_trainer.configs.device import ddp_pipeline_problem
 from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.data_parallel import DDPBackend
 from dream_trainer.parallel.experts import distribute_experts, fully_shard_experts
+from dream_trainer.parallel.float8 import convert_to_float8
 from dream_trainer.parallel.materialize import (FullTensorInit, has_meta_tensors, materialize,
                                                 parameters_named)
 from dream_trainer.parallel.hf_init import is_hf_model
@@ -27,6 +30,8 @@ from dream_trainer.world.dims import MeshAxis
 
 if TYPE_CHECKING:
     from dream_trainer.weights.pretrained import PretrainedWeights
+
+logger = logging.getLogger(__name__)
 
 
 class ParallelizeModels(AbstractTrainer):
@@ -160,6 +165,8 @@ class ParallelizeModels(AbstractTrainer):
     def _apply_parallelism(self) -> None:
         params = self.config.device_parameters
         dims = self.world.dims
+        if params.float8_recipe is not None:
+            self._convert_float8()
         if dims.tp > 1:
             tp_mesh = self.world.get_mesh(MeshAxis.TP)
             assert tp_mesh is not None
@@ -180,6 +187,18 @@ class ParallelizeModels(AbstractTrainer):
                 for model in self.named_models().values():
                     fully_shard_experts(model, efsdp_mesh, config)
             self.apply_fully_shard(config)
+
+    def _convert_float8(self) -> None:
+        """Swap every model's eligible Linear layers for torchao's ``Float8Linear`` (on the
+        meta device, before any other parallelism, which then shards the float8 modules)."""
+        params, dims = self.config.device_parameters, self.world.dims
+        # torchao all-gathers float8 weights with tensorwise scales only.
+        all_gather = params.float8_recipe == "tensorwise" and dims.dp_shard > 1
+        for name, model in self.named_models().items():
+            converted = convert_to_float8(model, params.float8_recipe, params.float8_filter,
+                                          self.world.device, all_gather)
+            logger.info("%s: %d Linear layers train in float8 (%s)", name, len(converted),
+                        params.float8_recipe)
 
     def _setup_pipeline(self, replicate: bool) -> None:
         """Split, parallelize each stage, materialize this rank's stages, wrap them.

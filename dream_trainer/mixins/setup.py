@@ -68,7 +68,11 @@ class SetupMixin(ParallelizeModels):
        bound to that stage), and the model attribute becomes a ``PipelineStages`` holding
        them; materialization gives the weights a one-process run would have, also with the
        user's ``init_weights()`` (DDP replicas of stages are refused: they shard with FSDP2);
-    1. ``apply_tensor_parallel(tp_mesh)`` when ``tensor_parallel > 1``;
+    1. with ``float8_recipe``, every model's eligible ``nn.Linear`` becomes torchao's
+       ``Float8Linear`` (``float8_filter`` and misaligned layers stay in high precision;
+       emulated without float8 hardware), so that the steps below shard the float8 modules
+       (``float8_tensor_parallel_styles`` gives ``apply_tensor_parallel`` the matching
+       styles); then ``apply_tensor_parallel(tp_mesh)`` when ``tensor_parallel > 1``;
     2. ``apply_activation_checkpointing()`` when ``checkpoint_activations``;
     3. ``apply_compile()`` when ``compile_model``;
     4. ``apply_fully_shard(config)`` when ``dp_shard > 1``;

@@ -1,0 +1,216 @@
+"""Script: train a small GPT with float8 Linear layers (emulated on the CPU) in one parallel
+layout, and record what the float8 tests check.
+
+Usage: float8_run.py OUT ROOT LAYOUT [KILL_POINT ...]
+
+``LAYOUT`` is ``fsdp`` (2 ranks: FSDP2 with float8 all-gather, a resume without float8 and
+one back with it, DDP, and the rowwise_with_gw_hp recipe), ``tp_fsdp`` (4 ranks: tensor
+parallel 2 x FSDP2 2) or ``kill`` (one plain process, resumed from its last checkpoint and
+SIGKILLed at each ``KILL_POINT`` of ``tests.helpers.checkpointing.Killer``). One process
+runs the same trainer in-process (``tests/parallel/test_float8.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from dream_trainer.callbacks import EMA, Callback
+from dream_trainer.configs import CheckpointParameters, DeviceParameters, TrainingParameters
+from dream_trainer.mixins import CheckpointConfigMixin, CheckpointMixin
+from dream_trainer.parallel.float8 import float8_tensor_parallel_styles
+from tests.helpers.checkpointing import Killer
+from tests.helpers.launch import save_on_rank_zero
+from tests.helpers.transformer import HEAD_DIM, VOCAB, TransformerConfig, TransformerTrainer
+
+DIM = 32
+LOW_RANK = 24  # not a multiple of 16: the adapter's two layers stay in high precision
+GLOBAL_BATCH = 8
+STEPS = 4
+CONVERTED = sorted(f"layers.{i}.{name}" for i in range(2)
+                   for name in ("q", "k", "v", "o", "w1", "w2"))
+"""The layers the default filter converts: not the head, not the misaligned adapter."""
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM)
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
+        self.norm2 = nn.LayerNorm(DIM)
+        self.w1 = nn.Linear(DIM, 2 * DIM)
+        self.w2 = nn.Linear(2 * DIM, DIM)
+        self.down = nn.Linear(DIM, LOW_RANK)
+        self.up = nn.Linear(LOW_RANK, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        batch, seq, _ = h.shape
+        q, k, v = (proj(h).view(batch, seq, -1, HEAD_DIM).transpose(1, 2)
+                   for proj in (self.q, self.k, self.v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(attn.transpose(1, 2).reshape(batch, seq, -1))
+        h = self.norm2(x)
+        return x + self.w2(F.gelu(self.w1(h))) + self.up(self.down(h))
+
+
+class GPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+class Float8Config(TransformerConfig, CheckpointConfigMixin):
+    pass
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)  # DDP prefixes names with module.
+
+
+def local_type(tensor: torch.Tensor) -> str:
+    return type(tensor.to_local() if isinstance(tensor, DTensor) else tensor).__name__
+
+
+class Float8Trainer(TransformerTrainer, CheckpointMixin):
+    """The GPT, with float8-aware tensor-parallel styles; keeps what the tests compare."""
+
+    config: Float8Config
+
+    def configure_models(self) -> None:
+        self.model = GPT()
+
+    def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        colwise, rowwise, _ = float8_tensor_parallel_styles(self.model)
+        self.tp_styles = (colwise.__name__, rowwise.__name__)
+        plan = {"q": colwise(), "k": colwise(), "v": colwise(), "o": rowwise(),
+                "w1": colwise(), "w2": rowwise()}
+        for block in self.model.layers:
+            parallelize_module(block, tp_mesh, plan)
+
+    def post_setup(self) -> None:
+        self.layer_types = {name: type(module).__name__
+                            for name, module in self.model.named_modules()
+                            if isinstance(module, nn.Linear)}
+        self.weight_types = {name: local_type(param)
+                             for name, param in self.model.named_parameters()}
+        self.keys = sorted(self.model.state_dict())
+
+    def post_fit(self) -> None:
+        self.final = {k: full(v) for k, v in unwrapped(self.model).state_dict().items()}
+
+
+class Loaded(Callback):
+    """The full weights right after setup (after a resume's load), before any step."""
+
+    def pre_fit(self) -> None:
+        model = unwrapped(self.trainer.model)
+        self.weights = {k: full(v) for k, v in model.state_dict().items()}
+
+
+class Averages(Callback):
+    """The full EMA averages at the end of the run."""
+
+    def __init__(self, ema: EMA) -> None:
+        self.ema = ema
+
+    def post_fit(self) -> None:
+        self.averages = {k: full(v) for k, v in self.ema.state_dict().items()
+                         if isinstance(v, torch.Tensor)}
+
+
+class Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
+        self.losses.append(float(result["loss"].detach()))
+
+
+def float8_config(params: DeviceParameters, dp: int, root: Path | None = None,
+                  max_steps: int = STEPS, every_n_steps: int = STEPS) -> Float8Config:
+    checkpoints = CheckpointParameters(root_dir=root, every_n_steps=every_n_steps,
+                                       resume="latest") if root is not None \
+        else CheckpointParameters(enabled=False)
+    return Float8Config(project="float8", group="tests", experiment="gpt",
+                        device_parameters=params, lr=0.1,
+                        training_parameters=TrainingParameters(
+                            n_epochs=1, train_batch_size=GLOBAL_BATCH // dp,
+                            max_steps=max_steps),
+                        checkpoint_parameters=checkpoints)
+
+
+def train(config: Float8Config) -> dict[str, Any]:
+    """Fit ``config``; return the recorded layer types, keys, losses and weights."""
+    trainer = Float8Trainer(config)
+    loaded, losses, ema = Loaded(), Losses(), EMA(decay=0.5)
+    averages = Averages(ema)
+    for callback in (loaded, losses, ema, averages):
+        trainer.callbacks.append(callback)
+    trainer.callbacks.attach(trainer)
+    trainer.fit()
+    return {"layer_types": trainer.layer_types, "weight_types": trainer.weight_types,
+            "keys": trainer.keys, "loaded": loaded.weights, "losses": losses.losses,
+            "final": trainer.final, "global_step": trainer.global_step,
+            "tp_styles": getattr(trainer, "tp_styles", None), "ema": averages.averages}
+
+
+def main(out: str, root: str, layout: str, *kill: str) -> None:
+    if layout == "kill":
+        # One process, checkpointed every 2 steps, SIGKILLed at the given points.
+        trainer = Float8Trainer(float8_config(
+            DeviceParameters.SINGLE_DEVICE(float8_recipe="tensorwise"), 1, Path(root),
+            max_steps=2 * STEPS, every_n_steps=2))
+        (Path(root) / "markers").mkdir(parents=True, exist_ok=True)
+        trainer.callbacks.append(Killer(list(kill), Path(root) / "markers"))
+        trainer.callbacks.attach(trainer)
+        trainer.fit()
+        torch.save(trainer.final, out)
+        return
+    if layout == "tp_fsdp":
+        params = DeviceParameters(dp_shard=2, tensor_parallel=2, float8_recipe="tensorwise")
+        results = {"tp_fsdp": train(float8_config(params, dp=2))}
+    else:
+        float8 = DeviceParameters.FSDP(float8_recipe="tensorwise")
+        plain = DeviceParameters.FSDP()
+        results = {
+            # 4 float8 steps, checkpointed at step 4...
+            "float8": train(float8_config(float8, 2, Path(root), STEPS)),
+            # ...resumed without float8 for 2 more steps, checkpointed at step 6...
+            "plain": train(float8_config(plain, 2, Path(root), STEPS + 2, 2)),
+            # ...and resumed with float8 again.
+            "back": train(float8_config(float8, 2, Path(root), STEPS + 4, 2)),
+            # The same per-rank activation scales as "float8", with weights all-gathered in
+            # float32 and cast on each rank.
+            "ddp": train(float8_config(DeviceParameters.DDP(float8_recipe="tensorwise"), 2)),
+            # Scales per row of activations and gradients: independent of the batch split.
+            "rowwise_gw_hp": train(float8_config(
+                DeviceParameters.FSDP(float8_recipe="rowwise_with_gw_hp"), 2)),
+        }
+    save_on_rank_zero(results, out, "float8")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
