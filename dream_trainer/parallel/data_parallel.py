@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -28,6 +30,15 @@ class DataParallelBackend(ABC):
 
     def after_validation(self, model: nn.Module) -> None:
         """Return ``model`` to its training layout after forward passes without backward."""
+
+    def local_pass(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """A context in which ``model``'s forward and backward run on this rank alone, for a
+        diagnostic re-run that other ranks do not join (by default nothing to switch off).
+
+        Raises:
+            RuntimeError: where a pass cannot run without the other ranks (FSDP2).
+        """
+        return contextlib.nullcontext()
 
 
 class NoDataParallel(DataParallelBackend):
@@ -58,6 +69,18 @@ class DDPBackend(DataParallelBackend):
         if isinstance(model, DistributedDataParallel):
             model.require_backward_grad_sync = enabled
 
+    def local_pass(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """No gradient all-reduce in backward and no buffer broadcast before forward; both
+        flags are put back afterwards.
+
+        One collective remains: DDP rebuilds its gradient buckets (a broadcast) in the first
+        forward after its first synchronised backward. Before the second optimizer step,
+        every rank must therefore make a pass here too (``NanGuard`` re-runs on every rank).
+        """
+        if not isinstance(model, DistributedDataParallel):
+            return contextlib.nullcontext()
+        return _without_sync(model)
+
 
 class FSDPBackend(DataParallelBackend):
     """FSDP2 (``fully_shard``) over the shard axis, replicated across dp_replicate for HSDP."""
@@ -86,6 +109,23 @@ class FSDPBackend(DataParallelBackend):
             for module in root.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
+
+    def local_pass(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        raise RuntimeError(
+            "an FSDP2 model cannot run forward or backward on one rank alone: every pass "
+            "all-gathers its parameter shards from the other ranks"
+        )
+
+
+@contextlib.contextmanager
+def _without_sync(model: DistributedDataParallel) -> Iterator[None]:
+    saved = model.require_backward_grad_sync, model.require_forward_param_sync
+    model.require_backward_grad_sync = False
+    model.require_forward_param_sync = False
+    try:
+        yield
+    finally:
+        model.require_backward_grad_sync, model.require_forward_param_sync = saved
 
 
 def backend_for(dims: ParallelDims) -> DataParallelBackend:

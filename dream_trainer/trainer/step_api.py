@@ -13,6 +13,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from dream_trainer.nn.moe import moe_layers
+from dream_trainer.parallel.data_parallel import DataParallelBackend
 from dream_trainer.parallel.dtensor import full_value
 from dream_trainer.parallel.grad_norm import clip_grad_norm
 from dream_trainer.parallel.pipeline import (PipelineStages, reduce_tied_gradients,
@@ -22,6 +23,7 @@ from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.trainer.item_weighting import ItemWeighting
 from dream_trainer.trainer.schedulers import takes_metric
+from dream_trainer.trainer.validation import check_result
 from dream_trainer.world.dims import MeshAxis
 
 
@@ -32,7 +34,10 @@ class StepAPI(AbstractTrainer):
 
     precision: Precision
     item_weighting: ItemWeighting
+    data_parallel: DataParallelBackend
     _batch_idx: int
+    _rerunning = False
+    """True inside ``rerun_training_step``: ``backward()`` counts nothing, ``step()`` is inert."""
 
     @abstractmethod
     def _fire(self, hook: str, *args: Any) -> None:
@@ -135,6 +140,8 @@ class StepAPI(AbstractTrainer):
         what its loss is divided by: ``gradient_accumulation_steps`` for a mean loss, whose
         window is averaged over micro-batches, and 1 for a sum, which ``step()`` normalizes
         by the window's item count."""
+        if self._rerunning:  # the window's items were counted on the first run
+            return self.training_parameters.gradient_accumulation_steps if num_items is None else 1
         if num_items is None:
             self.item_weighting.note_unweighted()
             return self.training_parameters.gradient_accumulation_steps
@@ -179,6 +186,8 @@ class StepAPI(AbstractTrainer):
                 f"(gradient_accumulation_steps={self.training_parameters.gradient_accumulation_steps}): "
                 "call it only when `not self.is_accumulating_gradients`"
             )
+        if self._rerunning:
+            return torch.zeros((), device=self.world.device)
         self._fire("pre_optimizer_step", model, optimizer)
         self.precision.unscale_(optimizer)
         self._normalize_items(model)
@@ -229,6 +238,53 @@ class StepAPI(AbstractTrainer):
             )
         if scheduler is not None:
             scheduler.step()
+
+    def rerun_training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        """Run ``training_step`` again on micro-batch ``batch_idx`` of the current accumulation
+        window, before its update, to diagnose it (``NanGuard`` does, from
+        ``pre_optimizer_step``).
+
+        It runs as the first time did (``batch_idx``, ``is_accumulating_gradients``,
+        ``local_batches`` and ``global_step`` as they were, under the same autocast), except
+        that ``backward()`` counts no items, ``step()`` does nothing and returns a zero
+        tensor, no hook fires, and every model runs on this rank alone (no gradient
+        synchronisation, no buffer broadcast: ``DataParallelBackend.local_pass``). The
+        gradients still accumulate into ``.grad`` and modules may update their own state
+        (running statistics, for one); saving and restoring those, and the random generators,
+        is the caller's part.
+
+        Args:
+            batch: The micro-batch, as ``pre_train_batch`` received it (on the device).
+            batch_idx: Its index, one of the current window's.
+
+        Returns:
+            What ``training_step`` returned.
+
+        Raises:
+            RuntimeError: outside training, or under a pipeline or FSDP2 (whose passes are
+                collective).
+            ValueError: if ``batch_idx`` is not in the current window.
+        """
+        accumulation = self.training_parameters.gradient_accumulation_steps
+        first = self._batch_idx - self._batch_idx % accumulation
+        if not self.training or self.world.dims.pp > 1:
+            raise RuntimeError("rerun_training_step() runs during training only, and not "
+                               "under pipeline_parallel > 1 (the schedule's passes are "
+                               "collective)")
+        if not first <= batch_idx <= self._batch_idx:
+            raise ValueError(f"rerun_training_step(batch_idx={batch_idx}): the current window "
+                             f"holds batches {first}-{self._batch_idx}")
+        saved = self._batch_idx, self.local_batches
+        self.local_batches -= self._batch_idx - batch_idx
+        self._batch_idx, self._rerunning = batch_idx, True
+        try:
+            with contextlib.ExitStack() as passes:
+                for model in self.named_models().values():
+                    passes.enter_context(self.data_parallel.local_pass(model))
+                passes.enter_context(self.precision.autocast())
+                return check_result(self.training_step(batch, batch_idx), "training_step")
+        finally:
+            (self._batch_idx, self.local_batches), self._rerunning = saved, False
 
     def apply_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Apply the gradients: ``optimizer.step()``, through the gradient scaler with float16.

@@ -1,4 +1,5 @@
-"""NanGuard: raising at the first non-finite value, and skipping non-finite updates."""
+"""NanGuard: raising at the first non-finite value, and skipping non-finite updates (its
+diagnosis of where a value came from is in test_nan_provenance.py)."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def nan_trainer(nan_step: int, guard: NanGuard, nan_in: str = "loss",
 
 @pytest.mark.parametrize(("every", "raised_at"), [(1, 5), (3, 6)])
 def test_raise_names_the_first_bad_step(every: int, raised_at: int) -> None:
-    trainer = nan_trainer(4, NanGuard(check_every_n_steps=every))
+    # Without diagnosis the check runs after each step, on the values training_step returned.
+    trainer = nan_trainer(4, NanGuard(check_every_n_steps=every, diagnose=False))
     with pytest.raises(FloatingPointError, match=r"global step 4 \(batch 4 of epoch 0\): "
                                                  r"loss=nan, grad_norm=nan"):
         trainer.fit()
@@ -77,7 +79,8 @@ def test_raise_names_the_first_bad_step(every: int, raised_at: int) -> None:
 
 
 def test_raise_catches_gradients_through_grad_norm() -> None:
-    trainer = nan_trainer(2, NanGuard(), nan_in="backward", gradient_accumulation_steps=2)
+    trainer = nan_trainer(2, NanGuard(diagnose=False), nan_in="backward",
+                          gradient_accumulation_steps=2)
     with pytest.raises(FloatingPointError, match=r"global step 2 \(batch 5 of epoch 0\): "
                                                  r"grad_norm=nan"):
         trainer.fit()
@@ -104,8 +107,8 @@ def test_raise_requires_the_checked_keys() -> None:
 
 
 def test_skip_leaves_the_weights_of_the_bad_step_unchanged(
-        caplog: pytest.LogCaptureFixture) -> None:
-    guard, log = NanGuard(mode="skip"), StepWeights()
+        caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    guard, log = NanGuard(mode="skip", output_dir=tmp_path), StepWeights()
     trainer = NanLoss(toy_config(callbacks=[guard, log]))
     trainer.nan_step = 5
     with caplog.at_level(logging.WARNING, logger="dream_trainer.callbacks.nan_guard"):
@@ -142,7 +145,7 @@ def test_skip_keeps_non_finite_weights_out_of_checkpoints(tmp_path: Path) -> Non
         trainer.fit()
         return checkpoint_values(root, tmp_path / f"export_{root.name}")
 
-    guard = NanGuard(mode="skip")
+    guard = NanGuard(mode="skip", output_dir=tmp_path / "nan")
     guarded = run(tmp_path / "guarded", guard)
     assert guard.skipped_steps == 1
     assert set(guarded) == {"step_4", "step_8", "step_10", "step_12", "step_16", "step_20",
@@ -177,6 +180,7 @@ def test_state_dict_round_trip() -> None:
     ({"mode": "skip", "check_every_n_steps": 2}, "skip mode must check every step"),
     ({"keys": "loss"}, "keys must be a tuple"),
     ({"keys": ("loss", "")}, "keys must be a tuple"),
+    ({"diagnose": 1}, "diagnose"),
 ])
 def test_arguments_are_validated(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
