@@ -82,7 +82,7 @@ def _collectives() -> dict[str, Any]:
     try:
         # This process's own dump, read back in this process: nothing foreign is unpickled.
         trace = pickle.loads(dump()) if dump is not None else {}
-    except Exception:  # a torch without a recorder for this backend
+    except RuntimeError:  # a torch without a recorder for this backend
         trace = {}
     entries = [{"group": entry["process_group"][0], "sequence": entry["collective_seq_id"],
                 "op": str(entry["profiling_name"]).split(":")[-1],
@@ -210,8 +210,8 @@ def _first_disagreement(records: Mapping[int, Mapping[str, Any]]
 def _from_stacks(records: Mapping[int, Mapping[str, Any]]) -> list[str]:
     recorded = any(record.get("entries") for record in records.values())
     lines = ["the collective records show no disagreement" if recorded else
-             "no collective was recorded (the flight recorder is off, or the backend records "
-             "none): this verdict comes from the stacks alone"]
+             ("no collective was recorded (the flight recorder is off, or the backend records "
+              "none): this verdict comes from the stacks alone")]
     waiting = sorted(r for r, record in records.items() if _in_collective(record))
     elsewhere = sorted(set(records) - set(waiting))
     if waiting and elsewhere:

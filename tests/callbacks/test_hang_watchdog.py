@@ -17,7 +17,7 @@ import pytest
 from dream_trainer.callbacks import Callback
 from dream_trainer.callbacks.hang_report import read_records, verdict
 from dream_trainer.callbacks.hang_watchdog import HangWatchdog
-from tests.helpers.launch import REPO, check, child_env, spawn_ranks
+from tests.helpers.launch import REPO, check, child_env, outputs_of, spawn_ranks
 from tests.helpers.toy import ToyTrainer, toy_config
 
 SCRIPT = REPO / "tests/scripts/hang_run.py"
@@ -65,13 +65,7 @@ def test_timeout_must_be_positive_and_finite(timeout: float) -> None:
 @pytest.mark.distributed
 def test_hung_rank_and_its_blocked_peer_are_ended_with_their_stacks(tmp_path: Path) -> None:
     procs = spawn_ranks(SCRIPT, ["hang", str(tmp_path)])
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=120)[0])
-    finally:
-        for proc in procs:
-            proc.kill()
+    outputs = outputs_of(procs, timeout=120)
     ended = time.time()
     assert [proc.returncode for proc in procs] == [1, 1], outputs
     # Timed from the hang, not from the start: two ranks importing torch on a busy CI machine
@@ -101,13 +95,7 @@ def test_hung_rank_and_its_blocked_peer_are_ended_with_their_stacks(tmp_path: Pa
 def test_the_verdict_names_the_sleeping_rank_its_collective_and_its_frame(
         tmp_path: Path) -> None:
     procs = spawn_ranks(SCRIPT, ["verdict", str(tmp_path)], nproc=4)
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=300)[0])
-    finally:
-        for proc in procs:
-            proc.kill()
+    outputs = outputs_of(procs, timeout=300)
     # Every rank was ended by its watchdog (rank 1 from inside its hour-long sleep).
     assert [proc.returncode for proc in procs] == [1, 1, 1, 1], outputs
     assert all("finished without hanging" not in output for output in outputs)

@@ -124,7 +124,7 @@ def test_the_progress_survives_a_round_trip_through_plain_types() -> None:
     state = progress.as_dict()
     assert torch.equal(torch.tensor(state["consumed"]), torch.tensor([[0, 5], [7, 9]]))
     assert Progress.from_dict(state) == progress
-    assert list(next(zip(range(4), progress.work())) for _ in range(1)) == [(0, (5, 3))]
+    assert next(progress.work()) == (5, 3)  # the cut position comes first
     assert [p for p, _ in zip(progress.fresh(0), range(4))] == [6, 9, 10, 11]
 
 

@@ -125,6 +125,19 @@ def spawn_ranks(script: str | Path, args: Sequence[str] = (), nproc: int = 2,
     return procs
 
 
+def outputs_of(procs: Sequence[subprocess.Popen[str]], timeout: float) -> list[str]:
+    """Each process's combined output once it has exited (``timeout`` seconds each); any
+    still running afterwards (a failed wait) is killed, so no test leaves ranks behind."""
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    return outputs
+
+
 def init_results_group(name: str) -> None:
     """In a torchrun script, create a gloo group after the trainers' own groups are gone.
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.helpers.launch import REPO, spawn_ranks, child_env, torchrun
+from tests.helpers.launch import REPO, child_env, outputs_of, spawn_ranks, torchrun
 from tests.helpers.toy import ToyTrainer, toy_config
 
 FAILURE_SCRIPT = REPO / "tests/scripts/rank_failure.py"
@@ -22,13 +22,7 @@ FAILURE_SCRIPT = REPO / "tests/scripts/rank_failure.py"
 def test_one_failing_rank_brings_both_down_quickly_naming_the_rank() -> None:
     start = time.monotonic()
     procs = spawn_ranks(FAILURE_SCRIPT)
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=60)[0])
-    finally:
-        for proc in procs:
-            proc.kill()
+    outputs = outputs_of(procs, timeout=60)
     elapsed = time.monotonic() - start
     codes = [proc.returncode for proc in procs]
     assert all(code != 0 for code in codes), (codes, outputs)
