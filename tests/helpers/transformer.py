@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,16 +19,17 @@ VOCAB, DIM, HEAD_DIM, SEQ, LAYERS = 32, 16, 4, 8, 2
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int = DIM, hidden: int = 4 * DIM) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(DIM)
-        self.q, self.k, self.v = (nn.Linear(DIM, DIM) for _ in range(3))
-        self.o = nn.Linear(DIM, DIM)
-        self.norm2 = nn.LayerNorm(DIM)
-        self.w1 = nn.Linear(DIM, 4 * DIM)
-        self.w2 = nn.Linear(4 * DIM, DIM)
+        self.norm1 = nn.LayerNorm(dim)
+        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        self.o = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.w1 = nn.Linear(dim, hidden)
+        self.w2 = nn.Linear(hidden, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` plus causal self-attention over it."""
         h = self.norm1(x)
         batch, seq, _ = h.shape
         # Heads are inferred from the projection's width, so a column-parallel projection
@@ -35,7 +37,10 @@ class Block(nn.Module):
         q, k, v = (proj(h).view(batch, seq, -1, HEAD_DIM).transpose(1, 2)
                    for proj in (self.q, self.k, self.v))
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(attn.transpose(1, 2).reshape(batch, seq, -1))
+        return x + self.o(attn.transpose(1, 2).reshape(batch, seq, -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attend(x)
         return x + self.w2(F.gelu(self.w1(self.norm2(x))))
 
 
@@ -43,12 +48,13 @@ class TinyTransformer(nn.Module):
     """Follows the pipeline convention: ``forward`` skips modules that are None (those that
     other pipeline stages hold)."""
 
-    def __init__(self, layers: int = LAYERS) -> None:
+    def __init__(self, layers: int = LAYERS, dim: int = DIM,
+                 block: Callable[[], nn.Module] = Block) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(layers))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB)
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList(block() for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:

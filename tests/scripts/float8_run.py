@@ -28,7 +28,8 @@ from dream_trainer.mixins import CheckpointConfigMixin, CheckpointMixin
 from dream_trainer.parallel.float8 import float8_tensor_parallel_styles
 from tests.helpers.checkpointing import Killer
 from tests.helpers.launch import save_on_rank_zero
-from tests.helpers.transformer import HEAD_DIM, VOCAB, TransformerConfig, TransformerTrainer
+from tests.helpers import transformer
+from tests.helpers.transformer import TransformerConfig, TransformerTrainer
 
 DIM = 32
 LOW_RANK = 24  # not a multiple of 16: the adapter's two layers stay in high precision
@@ -39,41 +40,22 @@ CONVERTED = sorted(f"layers.{i}.{name}" for i in range(2)
 """The layers the default filter converts: not the head, not the misaligned adapter."""
 
 
-class Block(nn.Module):
+class Block(transformer.Block):
+    """The tiny transformer's block, wider, with a low-rank adapter beside its MLP."""
+
     def __init__(self) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(DIM)
-        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
-        self.norm2 = nn.LayerNorm(DIM)
-        self.w1 = nn.Linear(DIM, 2 * DIM)
-        self.w2 = nn.Linear(2 * DIM, DIM)
+        super().__init__(DIM, 2 * DIM)
         self.down = nn.Linear(DIM, LOW_RANK)
         self.up = nn.Linear(LOW_RANK, DIM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        batch, seq, _ = h.shape
-        q, k, v = (proj(h).view(batch, seq, -1, HEAD_DIM).transpose(1, 2)
-                   for proj in (self.q, self.k, self.v))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(attn.transpose(1, 2).reshape(batch, seq, -1))
+        x = self.attend(x)
         h = self.norm2(x)
         return x + self.w2(F.gelu(self.w1(h))) + self.up(self.down(h))
 
 
-class GPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(2))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
+def gpt() -> nn.Module:
+    return transformer.TinyTransformer(layers=2, dim=DIM, block=Block)
 
 
 class Float8Config(TransformerConfig, CheckpointConfigMixin):
@@ -98,7 +80,7 @@ class Float8Trainer(TransformerTrainer, CheckpointMixin):
     config: Float8Config
 
     def configure_models(self) -> None:
-        self.model = GPT()
+        self.model = gpt()
 
     def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
         from torch.distributed.tensor.parallel import parallelize_module
