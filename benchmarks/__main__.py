@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from benchmarks import (checkpoint_speed, expert_steps, hf_load_memory, meta_init_memory,
-                        pipeline_steps, plan_scale, startup, step_overhead, stream_resume,
-                        training_memory)
+                        pipeline_steps, plan_scale, resume_time, startup, step_overhead,
+                        stream_resume, training_memory)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -50,6 +50,8 @@ def sections(quick: bool, lightning_python: str | None) -> dict[str, Callable[[]
                                                              1 if quick else 5),
         "stream_resume": lambda: stream_resume.measure(800 if quick else 40_000,
                                                        1 if quick else 5),
+        "resume_time": lambda: resume_time.measure(0.01 if quick else 1.0,
+                                                   trials=1 if quick else 3),
         "pipeline_steps": lambda: pipeline_steps.measure(8 if quick else 60,
                                                          1 if quick else 3),
         "expert_steps": lambda: expert_steps.measure(8 if quick else 40, 1 if quick else 3),
@@ -83,7 +85,8 @@ def markdown(results: dict[str, Any]) -> str:
             module = {"step_overhead": step_overhead, "startup": startup,
                       "training_memory": training_memory, "meta_init_memory": meta_init_memory,
                       "hf_load_memory": hf_load_memory, "checkpoint_speed": checkpoint_speed,
-                      "stream_resume": stream_resume, "plan_scale": plan_scale,
+                      "stream_resume": stream_resume, "resume_time": resume_time,
+                      "plan_scale": plan_scale,
                       "pipeline_steps": pipeline_steps, "expert_steps": expert_steps}[kind]
             lines += module.markdown(result)
     return "\n".join(lines) + "\n"

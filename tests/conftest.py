@@ -15,6 +15,24 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 torch.set_num_threads(1)
 
 
+# The longest files first: make test hands files to its two workers in collection order, and a
+# long file handed out last keeps one worker busy while the other has nothing left to do.
+SLOWEST_FIRST = (
+    "tests/parallel/test_pipeline_parallel.py", "tests/benchmarks/test_harness.py",
+    "tests/checkpoint/test_layout_matrix.py", "tests/checkpoint/test_kill_and_resume.py",
+    "tests/parallel/test_hf_pipeline.py", "tests/parallel/test_float8.py",
+    "tests/mixins/test_fault_tolerance.py", "tests/examples/test_examples.py",
+    "tests/data/test_streaming.py", "tests/data/test_sharded_stream_resume.py",
+    "tests/nn/test_moe_resume.py", "tests/examples/test_large_model_examples.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    order = {path: index for index, path in enumerate(SLOWEST_FIRST)}
+    root = config.rootpath
+    items.sort(key=lambda item: order.get(item.path.relative_to(root).as_posix(), len(order)))
+
+
 @pytest.fixture(autouse=True)
 def _no_leaks() -> Iterator[None]:
     env_before = {name: os.environ.get(name) for name in LAUNCH_VARS}

@@ -17,7 +17,8 @@ from tests.benchmarks.test_lightning_steps import LIGHTNING_PYTHON
 from tests.helpers.launch import REPO, check, child_env
 
 # startup, meta_init_memory and checkpoint_speed run in quick mode in tests of their own
-# (tests/benchmarks/test_startup.py, ...): the harness run leaves them out to save a minute.
+# (tests/benchmarks/test_startup.py, ...): the harness run leaves them out to save minutes.
+# resume_time (four 2-rank launches even at its smallest) runs only in `make bench`.
 SECTIONS = {"step_overhead/mlp/1", "step_overhead/mlp/2", "training_memory",
             "hf_load_memory", "stream_resume", "gpu_throughput", "plan_scale", "pipeline_steps",
             "expert_steps"}

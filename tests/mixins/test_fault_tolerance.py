@@ -247,9 +247,16 @@ def test_live_groups_keep_training_while_a_killed_group_restarts_and_recovers(
     after = [e for e in records[victim] if e["pid"] not in old_pids]
     assert before[-1]["global_step"] >= KILL_AT_STEP
     # Restarted, it started from a live peer's state (no checkpoint exists: checkpoints are
-    # off), ahead of where it was killed, and went on in step with the others.
+    # off), ahead of where it was killed, and went on with the others: one step at a time,
+    # or (on a loaded machine, where it can fall out of a quorum again) ahead by recovering
+    # a peer's state once more, never by skipping steps on its own.
     assert after[0]["recoveries"] >= 1 and after[0]["global_step"] > killed_at, after[:3]
-    assert [e["global_step"] for e in after] == list(range(after[0]["global_step"], stop + 1))
+    for previous, entry in zip(after, after[1:]):
+        step = previous["global_step"] + 1
+        assert entry["global_step"] == step or (
+            entry["global_step"] > step and entry["recoveries"] > previous["recoveries"]), \
+            (previous, entry)
+    assert after[-1]["global_step"] == stop
     assert not list(tmp_path.glob("checkpoints/**/step_*"))
 
     reference = weights(tmp_path, "0")

@@ -1,0 +1,39 @@
+"""Script: ``checkpoint_run.py``, SIGKILLed halfway through loading its checkpoint the first
+time (while MARKER does not exist): DCP's reader reads and copies into the live tensors the
+first half of its read plan, MARKER records how many items, then the process kills itself.
+
+Usage: kill_during_load.py MARKER ROOT OUT [checkpoint_run.py options]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemReader
+
+from tests.scripts import checkpoint_run
+
+
+def kill_halfway_through_reading(marker: Path) -> None:
+    read_data = FileSystemReader.read_data
+
+    def halfway(self: FileSystemReader, plan: Any, planner: Any) -> Any:
+        if marker.exists():
+            return read_data(self, plan, planner)
+        half = len(plan.items) // 2
+        read_data(self, dataclasses.replace(plan, items=plan.items[:half]), planner)
+        marker.write_text(f"{half} of {len(plan.items)}")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    FileSystemReader.read_data = halfway  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    kill_halfway_through_reading(Path(sys.argv[1]))
+    sys.argv = [sys.argv[0], *sys.argv[2:]]
+    checkpoint_run.main()
