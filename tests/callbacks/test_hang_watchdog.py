@@ -63,19 +63,23 @@ def test_timeout_must_be_positive_and_finite(timeout: float) -> None:
 
 
 @pytest.mark.distributed
-def test_hung_rank_and_its_blocked_peer_are_ended_with_their_stacks(tmp_path: Path) -> None:
-    procs = spawn_ranks(SCRIPT, ["hang", str(tmp_path)])
-    outputs = outputs_of(procs, timeout=120)
+def test_hung_rank_and_its_blocked_peers_are_ended_with_their_stacks_and_a_verdict(
+        tmp_path: Path) -> None:
+    procs = spawn_ranks(SCRIPT, ["hang", str(tmp_path)], nproc=4)
+    outputs = outputs_of(procs, timeout=300)
     ended = time.time()
-    assert [proc.returncode for proc in procs] == [1, 1], outputs
-    # Timed from the hang, not from the start: two ranks importing torch on a busy CI machine
-    # take a while, which says nothing about the watchdog.
+    # Every rank was ended by its watchdog (rank 1 from inside its hour-long sleep).
+    assert [proc.returncode for proc in procs] == [1, 1, 1, 1], outputs
+    # Timed from the hang, not from the start: ranks importing torch on a busy CI machine
+    # take a while, which says nothing about the watchdog. (The 6 s timeout, then the others'
+    # records, which they wrote 2 s before.)
     hang_started = re.search(r"rank 1 hangs from ([\d.]+)", outputs[1])
     assert hang_started, outputs[1]
-    assert ended - float(hang_started.group(1)) < 30, outputs
-    # Rank 1 sleeps in training_step; rank 0 waits for it in a collective of the same step.
-    for rank, timeout, output in ((0, 3, outputs[0]), (1, 5, outputs[1])):
-        assert f"HangWatchdog: rank {rank} of 2 made no progress for" in output, output
+    assert ended - float(hang_started.group(1)) < 60, outputs
+    # Rank 1 sleeps in training_step; the others wait for it in a collective of the same step.
+    for rank, output in enumerate(outputs):
+        timeout = 6 if rank == 1 else 4
+        assert f"HangWatchdog: rank {rank} of 4 made no progress for" in output, output
         assert f"(timeout {timeout} s) at global step 2, epoch 0" in output, output
         assert "Thread 0x" in output and "hang_run.py" in output, output
         assert " in training_step" in output, output
@@ -89,16 +93,6 @@ def test_hung_rank_and_its_blocked_peer_are_ended_with_their_stacks(tmp_path: Pa
     assert last[0]["profiling_name"] == "gloo:all_reduce" and not last[0]["retired"], last
     assert all(entry["retired"] for entry in dumps[1]["entries"]), last
     assert last[0]["collective_seq_id"] == last[1]["collective_seq_id"] + 1, last
-
-
-@pytest.mark.distributed
-def test_the_verdict_names_the_sleeping_rank_its_collective_and_its_frame(
-        tmp_path: Path) -> None:
-    procs = spawn_ranks(SCRIPT, ["verdict", str(tmp_path)], nproc=4)
-    outputs = outputs_of(procs, timeout=300)
-    # Every rank was ended by its watchdog (rank 1 from inside its hour-long sleep).
-    assert [proc.returncode for proc in procs] == [1, 1, 1, 1], outputs
-    assert all("finished without hanging" not in output for output in outputs)
     records = read_records(tmp_path)
     assert sorted(records) == [0, 1, 2, 3]
     # From the raw records: the group where rank 1 is one collective behind the others.
