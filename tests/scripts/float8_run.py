@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
 
 from dream_trainer.callbacks import EMA, Callback
 from dream_trainer.configs import CheckpointParameters, DeviceParameters, TrainingParameters
@@ -59,7 +60,10 @@ def gpt() -> nn.Module:
 
 
 class Float8Config(TransformerConfig, CheckpointConfigMixin):
-    pass
+    ranks_as_micro_batches: int = 1
+    """Read each global batch as this many data-parallel ranks would, one rank's share per
+    micro-batch: one process accumulating them computes what the ranks compute, per-rank
+    tensorwise float8 scales included."""
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -81,6 +85,17 @@ class Float8Trainer(TransformerTrainer, CheckpointMixin):
 
     def configure_models(self) -> None:
         self.model = gpt()
+
+    def configure_dataloaders(self) -> tuple[DataLoader[Any], None]:
+        loader, _ = super().configure_dataloaders()
+        ranks = self.config.ranks_as_micro_batches
+        if ranks == 1:
+            return loader, None
+        # Rank r reads samples r, r + R, ... of each global batch (the framework's sampler).
+        (tokens,) = loader.dataset.tensors  # type: ignore[attr-defined]
+        order = torch.arange(len(tokens)).view(-1, loader.batch_size, ranks).transpose(1, 2)
+        return DataLoader(TensorDataset(tokens[order.reshape(-1)]),
+                          batch_size=loader.batch_size), None
 
     def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
         from torch.distributed.tensor.parallel import parallelize_module
@@ -132,14 +147,17 @@ class Losses(Callback):
 
 
 def float8_config(params: DeviceParameters, dp: int, root: Path | None = None,
-                  max_steps: int = STEPS, every_n_steps: int = STEPS) -> Float8Config:
+                  max_steps: int = STEPS, every_n_steps: int = STEPS,
+                  ranks_as_micro_batches: int = 1) -> Float8Config:
     checkpoints = CheckpointParameters(root_dir=root, every_n_steps=every_n_steps,
                                        resume="latest") if root is not None \
         else CheckpointParameters(enabled=False)
     return Float8Config(project="float8", group="tests", experiment="gpt",
                         device_parameters=params, lr=0.1,
+                        ranks_as_micro_batches=ranks_as_micro_batches,
                         training_parameters=TrainingParameters(
                             n_epochs=1, train_batch_size=GLOBAL_BATCH // dp,
+                            gradient_accumulation_steps=ranks_as_micro_batches,
                             max_steps=max_steps),
                         checkpoint_parameters=checkpoints)
 
