@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from dream_trainer.checkpoint.layout import (CONFIG, METADATA, MODEL_PREFIX, CheckpointError,
-                                             CheckpointInfo, checksum, data_files, verify_files)
+                                             CheckpointInfo, checksum, checksum_share, data_files,
+                                             verify_files)
 from dream_trainer.checkpoint.lock import RunLock
 from dream_trainer.checkpoint.trust import safe_reader
 
@@ -36,7 +37,8 @@ def commit(info: CheckpointInfo, rank: int, world_size: int,
 
     metadata = safe_reader(str(info.path)).read_metadata()
     files = sorted([*data_files(metadata), METADATA, CONFIG])
-    mine = {name: checksum(info.path / name) for name in files[rank::world_size]}
+    mine = {name: checksum(info.path / name)
+            for name in checksum_share(files, rank, world_size)}
     shares = gather(mine, world_size, group)
     if rank == 0:
         checksums = {name: digest for share in shares for name, digest in share.items()}

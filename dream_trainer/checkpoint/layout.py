@@ -20,6 +20,7 @@ METADATA = ".metadata"
 INFO = "dream_trainer.json"
 CONFIG = "config.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_WRITER = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's file names: __<rank>_<index>.distcp
 _CHUNK = 1 << 22
 
 MODEL_PREFIX = "state.models."
@@ -107,12 +108,31 @@ def checksum(file: Path) -> str:
     return digest.hexdigest()
 
 
+def checksum_share(names: Any, rank: int, world_size: int) -> list[str]:
+    """The files of ``names`` that ``rank`` checksums, when ``world_size`` ranks share it.
+
+    The data files rank ``w`` wrote (``__w_<i>.distcp``) go to rank ``w % world_size``:
+    after a save they are in its page cache, and on a resume in the same layout it reads
+    them next, so checking them costs no read of another rank's data. The other files
+    (metadata, config, files of unknown origin) are dealt round-robin. Every file goes to
+    exactly one rank.
+    """
+    own, rest = [], []
+    for name in sorted(names):
+        writer = _WRITER.match(name)
+        if writer is None:
+            rest.append(name)
+        elif int(writer.group(1)) % world_size == rank:
+            own.append(name)
+    return own + rest[rank::world_size]
+
+
 def verify_files(path: Path, metadata: Any, rank: int = 0, world_size: int = 1) -> None:
     """Check that every data file the metadata points into exists, is long enough, and has
     the checksum recorded when the checkpoint was committed.
 
-    Several ranks can share the reading: each checks every ``world_size``-th file from
-    ``rank`` (and combines its verdict with the others').
+    Several ranks can share the reading: each checks its ``checksum_share`` of the files
+    (and combines its verdict with the others').
 
     Raises:
         CheckpointError: naming the missing, truncated or altered file.
@@ -131,7 +151,7 @@ def verify_files(path: Path, metadata: Any, rank: int = 0, world_size: int = 1) 
     recorded = CheckpointInfo.read(path).files if (path / INFO).is_file() else None
     if recorded is None:
         return  # written before checksums were recorded: lengths are all there is to check
-    for relative in sorted(recorded)[rank::world_size]:
+    for relative in checksum_share(recorded, rank, world_size):
         file = path / relative
         if not file.is_file():
             raise CheckpointError(f"checkpoint file {file} is missing")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dream_trainer.checkpoint import CheckpointError, export_checkpoint
-from dream_trainer.checkpoint.layout import complete_checkpoints
+from dream_trainer.checkpoint.layout import checksum_share, complete_checkpoints
 from dream_trainer.configs import CheckpointParameters
 from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config, final_state
 
@@ -85,6 +85,21 @@ def test_truncated_data_file_is_named(tmp_path: Path) -> None:
     data.write_bytes(data.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=r"__0_0\.distcp is truncated: 100 bytes"):
         train(tmp_path, resume=checkpoints(tmp_path) / "step_10")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 6])
+def test_checksums_are_shared_out_so_each_rank_reads_the_files_it_wrote(world_size: int) -> None:
+    # Written by 4 ranks with 2 files each, plus files of no rank.
+    written = [f"__{writer}_{index}.distcp" for writer in range(4) for index in range(2)]
+    names = [*written, ".metadata", "config.json", "__x_0.distcp", "extra.bin"]
+    shares = [checksum_share(names, rank, world_size) for rank in range(world_size)]
+    assert sorted(name for share in shares for name in share) == sorted(names)  # once each
+    for rank, share in enumerate(shares):
+        assert [name for name in share if name in written] \
+            == [name for name in written if int(name[2]) % world_size == rank]
+    # The rest is dealt evenly.
+    counts = [sum(name not in written for name in share) for share in shares]
+    assert max(counts) - min(counts) <= 1
 
 
 def test_damaged_metadata_is_named(tmp_path: Path) -> None:

@@ -49,6 +49,21 @@ def test_each_rank_reads_only_its_shards_and_gathers_nothing(tmp_path: Path) -> 
         # would pass at least the other rank's half through them.
         assert record["collective_bytes"] < 0.02 * sharded_bytes, record["collective_calls"]
         assert not any("all_gather_into_tensor" in name for name in record["collective_calls"])
+    # Each rank checksums the data files it wrote (and, resuming in the same layout, reads):
+    # verifying step_1 and committing step_2 read no other rank's data.
+    checksummed = [record["checksummed"] for record in records]
+    for step in ("step_1", "step_2"):
+        shares = [[name for name in names if name.startswith(f"{step}/")]
+                  for names in checksummed]
+        assert sorted(shares[0] + shares[1]) == sorted(
+            f"{step}/{name}" for name in ("__0_0.distcp", "__1_0.distcp", ".metadata",
+                                          "config.json")), shares
+        for rank, share in enumerate(shares):
+            assert [name for name in share if name.endswith(".distcp")] \
+                == [f"{step}/__{rank}_0.distcp"]
+    for rank, record in enumerate(records):
+        assert {read["file"] for read in record["reads"]
+                if (read["fqn"], tuple(read["chunk"])) in chunks} == {f"__{rank}_0.distcp"}
     assert set(read_by) == set(chunks)  # every shard is read, each by exactly one rank
     assert all(len(ranks) == 1 for ranks in read_by.values())
     assert {ranks[0] for ranks in read_by.values()} == {0, 1}

@@ -4,8 +4,9 @@ A toy of two 512 x 512 layers is trained one AdamW step under FSDP2 on 2 ranks a
 a second trainer in the same processes resumes it (``resume="latest"``) and trains one more
 step. While DCP loads, every rank records each item its storage reader reads (the saved
 chunk it comes from and that chunk's length in the file) and the tensor bytes that pass
-through collectives (any ``c10d`` operation, DCP's planning included), then writes them to
-``OUT.rank<R>`` as JSON. Usage: resume_reads.py ROOT OUT
+through collectives (any ``c10d`` operation, DCP's planning included), and the files it
+checksums (verifying step_1, committing step_2), then writes them to ``OUT.rank<R>`` as
+JSON. Usage: resume_reads.py ROOT OUT
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from dream_trainer.checkpoint import agreement, layout
 from dream_trainer.configs import CheckpointParameters, DeviceParameters, TrainingParameters
 from dream_trainer.mixins import CheckpointConfigMixin, CheckpointMixin
 from tests.helpers.toy import ToyConfig, ToyTrainer
@@ -81,8 +83,16 @@ def recording(record: dict[str, Any]) -> Iterator[None]:
         record["collective_calls"].update(collectives.calls)
         return result
 
+    checksum = layout.checksum
+
+    def recorded_checksum(file: Path) -> str:
+        record["checksummed"].append(f"{file.parent.name}/{file.name}")
+        return checksum(file)
+
     with mock.patch.object(FileSystemReader, "read_data", recorded_read_data), \
-            mock.patch.object(dcp, "load", recorded_load):
+            mock.patch.object(dcp, "load", recorded_load), \
+            mock.patch.object(layout, "checksum", recorded_checksum), \
+            mock.patch.object(agreement, "checksum", recorded_checksum):
         yield
 
 
@@ -102,7 +112,7 @@ def train(root: Path, steps: int, resume: str | None) -> ReadsTrainer:
 def main(root: Path, out: str) -> None:
     train(root, steps=1, resume=None)
     record: dict[str, Any] = {"reads": [], "collective_bytes": 0,
-                              "collective_calls": Counter()}
+                              "collective_calls": Counter(), "checksummed": []}
     with recording(record):
         trainer = train(root, steps=2, resume="latest")
     assert trainer.global_step == 2
