@@ -38,12 +38,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.checkpoint_speed import BenchConfig, BenchTrainer
 from benchmarks.processes import child_env, peak_rss_bytes
 
-from dream_trainer import BaseTrainer, BaseTrainerConfig
 from dream_trainer.configs import CheckpointParameters, DeviceParameters, TrainingParameters
-from dream_trainer.mixins import (CheckpointConfigMixin, CheckpointMixin, SetupConfigMixin,
-                                  SetupMixin)
 
 WIDTH = 2048
 LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 4
@@ -56,13 +54,12 @@ LAYOUTS = {"fsdp": DeviceParameters.FSDP, "ddp": DeviceParameters.DDP,
 """The 2-rank layouts a run can take; the checkpoint is always written by ``fsdp``."""
 
 
-class ResumeConfig(BaseTrainerConfig, SetupConfigMixin, CheckpointConfigMixin):
-    layers: int
+class ResumeConfig(BenchConfig):
     timings: Path
     """Each rank writes ``<timings>.rank<R>``: its clock at setup and at its first step."""
 
 
-class ResumeTrainer(BaseTrainer, SetupMixin, CheckpointMixin):
+class ResumeTrainer(BenchTrainer):
     """AdamW on the layer stack; records the wall clock at the phases the figure spans."""
 
     config: ResumeConfig
@@ -78,22 +75,10 @@ class ResumeTrainer(BaseTrainer, SetupMixin, CheckpointMixin):
                 for index in range(self.config.layers)}
         parallelize_module(self.model, tp_mesh, plan)
 
-    def configure_optimizers(self) -> None:
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-
     def configure_dataloaders(self) -> tuple[DataLoader[Any], None]:
         generator = torch.Generator().manual_seed(0)
         return DataLoader(TensorDataset(torch.randn(SAMPLES, WIDTH, generator=generator)),
                           batch_size=1), None
-
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        (x,) = batch
-        self.backward(self.model(x).square().mean())
-        self.step(self.model, self.optimizer)
-        return {}
-
-    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        return {}
 
     def pre_setup(self) -> None:
         self.clock = {"pre_setup": time.time()}

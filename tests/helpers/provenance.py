@@ -15,9 +15,8 @@ from dream_trainer.parallel.names import unwrap_ddp
 from tests.helpers.toy import ToyTrainer
 
 
-class Boom(nn.Module):
-    """A linear layer whose output this module multiplies past float32's range while armed:
-    its child's output stays finite, its own does not."""
+class Faulty(nn.Module):
+    """A linear layer followed, while ``armed``, by this module's own fault."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -26,21 +25,26 @@ class Boom(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inner(x)
-        return x * 1e39 if self.armed else x
+        return self.fault(x) if self.armed else x
+
+    def fault(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
 
-class SqrtAtZero(nn.Module):
-    """While armed, adds ``sqrt(x - x)``: zero in forward, NaN in backward (the derivative of
-    sqrt at 0 is infinite, and the two infinite halves cancel to NaN)."""
+class Boom(Faulty):
+    """Multiplies its child's output past float32's range: the child's output stays finite,
+    its own does not."""
 
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.inner = nn.Linear(dim, dim)
-        self.armed = False
+    def fault(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1e39
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inner(x)
-        return x + torch.sqrt(x - x) if self.armed else x
+
+class SqrtAtZero(Faulty):
+    """Adds ``sqrt(x - x)``: zero in forward, NaN in backward (the derivative of sqrt at 0 is
+    infinite, and the two infinite halves cancel to NaN)."""
+
+    def fault(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.sqrt(x - x)
 
 
 class ProvenanceTrainer(ToyTrainer):
