@@ -65,15 +65,84 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 def torchrun(script: str | Path, args: Sequence[str] = (), nproc: int = 2,
              timeout: float = 240, env: Mapping[str, str] | None = None,
              cwd: str | Path | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` under torchrun with ``nproc`` CPU ranks on 127.0.0.1, on a free port."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc_per_node={nproc}", "--nnodes=1",
-        "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-        str(script), *args,
-    ]
-    return subprocess.run(command, env=child_env(env), cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+    """Run ``script`` on ``nproc`` CPU ranks on 127.0.0.1 as torchrun runs its workers, without
+    torchrun's agent process; capture their combined output.
+
+    What the ranks see is what torchrun gives them: its environment variables, and a store
+    hosted by the launcher (this process) rather than by rank 0, so every rendezvous a script
+    makes is a client of it. What the caller sees is what torchrun returns: 0 when every rank
+    exits 0, else 1 once the first rank to fail has failed and the others, sent SIGTERM, have
+    exited (SIGKILL after 30 s). The agent is left out because it cost each launch about 5 s
+    (it imports torch and runs a rendezvous before starting a rank) and the suite launches
+    over a hundred times; tests of torchrun's own behaviour (restarts, several agents) run the
+    real one.
+
+    Raises:
+        subprocess.TimeoutExpired: after ``timeout`` seconds, the ranks killed.
+    """
+    import tempfile
+
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    command = [sys.executable, str(script), *args]
+    run_id = f"dream-trainer-test-{port}"
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        ranks = [subprocess.Popen(command, env=child_env({**_worker_env(rank, nproc, port,
+                                                                         run_id), **(env or {})}),
+                                  cwd=cwd, stdout=out, stderr=err, text=True,
+                                  start_new_session=True)
+                 for rank in range(nproc)]
+        try:
+            returncode = _supervise(ranks, timeout, command)
+        finally:
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.kill()
+                    rank.wait()
+            del store
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, returncode, out.read(), err.read())
+
+
+def _worker_env(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
+    """The variables torchrun sets for rank ``rank`` of one node of ``nproc``."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+            "ROLE_RANK": str(rank), "ROLE_NAME": "default", "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1",
+            "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def _supervise(ranks: Sequence[subprocess.Popen[str]], timeout: float,
+               command: Sequence[str]) -> int:
+    """Wait for ``ranks`` as torchrun's agent does: 0 when all exit 0; on the first failure,
+    SIGTERM the rest, give them 30 s, SIGKILL them, and return 1."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [rank.poll() for rank in ranks]
+        if any(code not in (None, 0) for code in codes):
+            break
+        if all(code == 0 for code in codes):
+            return 0
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(list(command), timeout)
+        time.sleep(0.05)
+    for rank in ranks:
+        if rank.poll() is None:
+            rank.terminate()
+    grace = time.monotonic() + 30
+    for rank in ranks:
+        try:
+            rank.wait(timeout=max(0.0, grace - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rank.kill()
+    return 1
 
 
 def run_script(script: str | Path, nproc: int, *args: str | Path,
