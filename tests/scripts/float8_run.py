@@ -4,10 +4,11 @@ layout, and record what the float8 tests check.
 Usage: float8_run.py OUT ROOT LAYOUT [KILL_POINT ...]
 
 ``LAYOUT`` is ``fsdp`` (2 ranks: FSDP2 with float8 all-gather, a resume without float8 and
-one back with it, DDP, and the rowwise_with_gw_hp recipe), ``tp_fsdp`` (4 ranks: tensor
-parallel 2 x FSDP2 2) or ``kill`` (one plain process, resumed from its last checkpoint and
-SIGKILLed at each ``KILL_POINT`` of ``tests.helpers.checkpointing.Killer``). One process
-runs the same trainer in-process (``tests/parallel/test_float8.py``).
+one back with it, DDP, the rowwise_with_gw_hp recipe, and 2 pipeline stages with each
+recipe), ``tp_fsdp`` (4 ranks: tensor parallel 2 x FSDP2 2) or ``kill`` (one plain process,
+resumed from its last checkpoint and SIGKILLed at each ``KILL_POINT`` of
+``tests.helpers.checkpointing.Killer``). One process runs the same trainer in-process
+(``tests/parallel/test_float8.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,7 +32,7 @@ from dream_trainer.parallel.float8 import float8_tensor_parallel_styles
 from tests.helpers.checkpointing import Killer
 from tests.helpers.launch import save_on_rank_zero
 from tests.helpers import transformer
-from tests.helpers.transformer import TransformerConfig, TransformerTrainer
+from tests.helpers.transformer import TransformerConfig, TransformerTrainer, next_token_loss
 
 DIM = 32
 LOW_RANK = 24  # not a multiple of 16: the adapter's two layers stay in high precision
@@ -60,10 +62,11 @@ def gpt() -> nn.Module:
 
 
 class Float8Config(TransformerConfig, CheckpointConfigMixin):
-    ranks_as_micro_batches: int = 1
-    """Read each global batch as this many data-parallel ranks would, one rank's share per
-    micro-batch: one process accumulating them computes what the ranks compute, per-rank
-    tensorwise float8 scales included."""
+    ranks_as_micro_batches: bool = False
+    """Read each batch's micro-batches as that many data-parallel ranks would, one rank's
+    share per micro-batch: one process accumulating them computes what the ranks compute,
+    per-rank tensorwise float8 scales included. Otherwise micro-batches are consecutive
+    samples, as a pipeline splits a batch."""
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -88,9 +91,9 @@ class Float8Trainer(TransformerTrainer, CheckpointMixin):
 
     def configure_dataloaders(self) -> tuple[DataLoader[Any], None]:
         loader, _ = super().configure_dataloaders()
-        ranks = self.config.ranks_as_micro_batches
-        if ranks == 1:
+        if not self.config.ranks_as_micro_batches:
             return loader, None
+        ranks = self.config.training_parameters.gradient_accumulation_steps
         # Rank r reads samples r, r + R, ... of each global batch (the framework's sampler).
         (tokens,) = loader.dataset.tensors  # type: ignore[attr-defined]
         order = torch.arange(len(tokens)).view(-1, loader.batch_size, ranks).transpose(1, 2)
@@ -117,6 +120,36 @@ class Float8Trainer(TransformerTrainer, CheckpointMixin):
 
     def post_fit(self) -> None:
         self.final = {k: full(v) for k, v in unwrapped(self.model).state_dict().items()}
+
+
+class PipelinedFloat8Trainer(Float8Trainer):
+    """The same GPT trained through ``forward_backward``, which runs it as pipeline stages;
+    records every stage's layers and weights, not only this rank's."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        (tokens,) = batch
+        loss = self.forward_backward(self.model, tokens[:, :-1], target=tokens[:, 1:],
+                                     loss_fn=next_token_loss)
+        if not self.is_accumulating_gradients:
+            return {"loss": loss, "grad_norm": self.step(self.model, self.optimizer)}
+        return {"loss": loss}
+
+    def post_setup(self) -> None:
+        super().post_setup()
+        self.layer_types = merged(self.layer_types)
+        self.weight_types = merged(self.weight_types)
+        self.keys = sorted(merged(dict.fromkeys(self.keys)))
+
+    def post_fit(self) -> None:
+        super().post_fit()
+        self.final = merged(self.final)
+
+
+def merged(mine: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's ``mine``, merged by name (a collective)."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {name: value for rank in everyone for name, value in rank.items()}
 
 
 class Loaded(Callback):
@@ -147,8 +180,10 @@ class Losses(Callback):
 
 
 def float8_config(params: DeviceParameters, dp: int, root: Path | None = None,
-                  max_steps: int = STEPS, every_n_steps: int = STEPS,
-                  ranks_as_micro_batches: int = 1) -> Float8Config:
+                  max_steps: int = STEPS, every_n_steps: int = STEPS, micro_batches: int = 1,
+                  ranks_as_micro_batches: bool = False) -> Float8Config:
+    """Each of ``dp`` data-parallel ranks reads its share of ``GLOBAL_BATCH`` samples a step
+    in ``micro_batches`` accumulated micro-batches."""
     checkpoints = CheckpointParameters(root_dir=root, every_n_steps=every_n_steps,
                                        resume="latest") if root is not None \
         else CheckpointParameters(enabled=False)
@@ -156,15 +191,16 @@ def float8_config(params: DeviceParameters, dp: int, root: Path | None = None,
                         device_parameters=params, lr=0.1,
                         ranks_as_micro_batches=ranks_as_micro_batches,
                         training_parameters=TrainingParameters(
-                            n_epochs=1, train_batch_size=GLOBAL_BATCH // dp,
-                            gradient_accumulation_steps=ranks_as_micro_batches,
+                            n_epochs=1, train_batch_size=GLOBAL_BATCH // dp // micro_batches,
+                            gradient_accumulation_steps=micro_batches,
                             max_steps=max_steps),
                         checkpoint_parameters=checkpoints)
 
 
 def train(config: Float8Config) -> dict[str, Any]:
     """Fit ``config``; return the recorded layer types, keys, losses and weights."""
-    trainer = Float8Trainer(config)
+    pipelined = config.device_parameters.pipeline_parallel > 1
+    trainer = (PipelinedFloat8Trainer if pipelined else Float8Trainer)(config)
     loaded, losses, ema = Loaded(), Losses(), EMA(decay=0.5)
     averages = Averages(ema)
     for callback in (loaded, losses, ema, averages):
@@ -208,6 +244,10 @@ def main(out: str, root: str, layout: str, *kill: str) -> None:
             # Scales per row of activations and gradients: independent of the batch split.
             "rowwise_gw_hp": train(float8_config(
                 DeviceParameters.FSDP(float8_recipe="rowwise_with_gw_hp"), 2)),
+            # Two pipeline stages, each converted on its own, over two micro-batches.
+            **{f"pp_{recipe}": train(float8_config(DeviceParameters(
+                dp_replicate=1, pipeline_parallel=2, float8_recipe=recipe), 1))
+               for recipe in ("tensorwise", "rowwise_with_gw_hp")},
         }
     save_on_rank_zero(results, out, "float8")
 
