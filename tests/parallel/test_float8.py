@@ -175,6 +175,14 @@ def test_fsdp_float8_all_gather_equals_ddp_and_one_process(
     assert max_diff(run["final"], fsdp["ddp"]["final"]) == 0.0
     # EMA averages the high-precision weights, float8 all-gather or not.
     assert max_diff(run["ema"], fsdp["ddp"]["ema"]) == 0.0
+    # Histograms gather each float8 weight's shards as plain float32 tensors: at step 0
+    # exactly the weights the run started from.
+    weights = {key.removeprefix("weights/model/").removesuffix("@0"): values
+               for key, values in run["histograms"].items()
+               if key.startswith("weights/") and key.endswith("@0")}
+    assert max_diff(weights, run["loaded"]) == 0.0
+    assert {(type(v), v.dtype) for v in run["histograms"].values()} == {(torch.Tensor,
+                                                                         torch.float32)}
     assert all(value.dtype == torch.float32 for value in run["ema"].values())
     assert max_diff(run["ema"], {f"model.{k}": v for k, v in run["final"].items()}) > 0
     # Tensorwise activation and gradient scales are per rank (the amax of its own

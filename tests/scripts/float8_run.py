@@ -25,9 +25,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from dream_trainer.callbacks import EMA, Callback
+from dream_trainer.callbacks import EMA, Callback, Histograms
 from dream_trainer.configs import CheckpointParameters, DeviceParameters, TrainingParameters
-from dream_trainer.mixins import CheckpointConfigMixin, CheckpointMixin
+from dream_trainer.configs.logging import LoggingConfigMixin
+from dream_trainer.mixins import CheckpointConfigMixin, CheckpointMixin, LoggerMixin
 from dream_trainer.parallel.float8 import float8_tensor_parallel_styles
 from tests.helpers.checkpointing import Killer
 from tests.helpers.launch import save_on_rank_zero
@@ -61,7 +62,7 @@ def gpt() -> nn.Module:
     return transformer.TinyTransformer(layers=2, dim=DIM, block=Block)
 
 
-class Float8Config(TransformerConfig, CheckpointConfigMixin):
+class Float8Config(TransformerConfig, CheckpointConfigMixin, LoggingConfigMixin):
     ranks_as_micro_batches: bool = False
     """Read each batch's micro-batches as that many data-parallel ranks would, one rank's
     share per micro-batch: one process accumulating them computes what the ranks compute,
@@ -81,10 +82,16 @@ def local_type(tensor: torch.Tensor) -> str:
     return type(tensor.to_local() if isinstance(tensor, DTensor) else tensor).__name__
 
 
-class Float8Trainer(TransformerTrainer, CheckpointMixin):
-    """The GPT, with float8-aware tensor-parallel styles; keeps what the tests compare."""
+class Float8Trainer(TransformerTrainer, CheckpointMixin, LoggerMixin):
+    """The GPT, with float8-aware tensor-parallel styles; keeps what the tests compare,
+    histograms included (rank 0 logs them)."""
 
     config: Float8Config
+    histograms: dict[str, torch.Tensor]
+
+    def log_histogram(self, key: str, values: torch.Tensor) -> None:
+        super().log_histogram(key, values)
+        self.histograms[f"{key}@{self.global_step}"] = values.clone()
 
     def configure_models(self) -> None:
         self.model = gpt()
@@ -201,16 +208,18 @@ def train(config: Float8Config) -> dict[str, Any]:
     """Fit ``config``; return the recorded layer types, keys, losses and weights."""
     pipelined = config.device_parameters.pipeline_parallel > 1
     trainer = (PipelinedFloat8Trainer if pipelined else Float8Trainer)(config)
+    trainer.histograms = {}
     loaded, losses, ema = Loaded(), Losses(), EMA(decay=0.5)
     averages = Averages(ema)
-    for callback in (loaded, losses, ema, averages):
+    for callback in (loaded, losses, ema, averages, Histograms(every_n_steps=STEPS)):
         trainer.callbacks.append(callback)
     trainer.callbacks.attach(trainer)
     trainer.fit()
     return {"layer_types": trainer.layer_types, "weight_types": trainer.weight_types,
             "keys": trainer.keys, "loaded": loaded.weights, "losses": losses.losses,
             "final": trainer.final, "global_step": trainer.global_step,
-            "tp_styles": getattr(trainer, "tp_styles", None), "ema": averages.averages}
+            "tp_styles": getattr(trainer, "tp_styles", None), "ema": averages.averages,
+            "histograms": trainer.histograms}
 
 
 def main(out: str, root: str, layout: str, *kill: str) -> None:
