@@ -101,6 +101,12 @@ def gpu_markdown(result: dict[str, Any]) -> list[str]:
         rows.append(f"| {where}: {label} | {run['tokens_per_second']:,.0f} tokens/s{mfu} |")
     rows.append(f"| {where}: DreamTrainer / hand-written throughput | "
                 f"{result['dream_over_hand_throughput']:.3f} |")
+    for recipe in result.get("float8_recipes", []):  # absent from runs recorded before float8
+        run = result[f"dream_float8_{recipe}"]
+        mfu = "" if run["mfu"] is None else f", MFU {run['mfu']:.1%} of the bf16 peak"
+        rows.append(f"| {where}: DreamTrainer, float8 {recipe} | "
+                    f"{run['tokens_per_second']:,.0f} tokens/s{mfu}, "
+                    f"{result[f'dream_float8_{recipe}_over_dream_throughput']:.3f} x bf16 |")
     return rows
 
 

@@ -6,8 +6,15 @@ clipping at 1.0, on the same pre-generated token batches already on the GPU (so 
 path is not measured). ``DreamTrainer`` runs with its default callbacks and JSON logging, and
 once with no callbacks; no checkpoint is written inside the timed steps (fit's final one is
 deleted after each run). Trials alternate between the variants so drift affects all alike.
+``DreamTrainer`` also runs with each ``--float8`` recipe (torchao's float8 linear layers,
+``DeviceParameters.float8_recipe``); their MFU is counted against the same bfloat16 peak, as
+torchtitan and Megatron report it, so it compares directly with the bfloat16 rows.
 
-    python -m benchmarks.gpu_throughput [--steps 30] [--warmup 10] [--trials 2] [--json out.json]
+    python -m benchmarks.gpu_throughput [--steps 30] [--warmup 10] [--trials 2]
+        [--float8 tensorwise rowwise] [--json out.json]
+
+``measure(..., device=torch.device("cpu"), compile=False)`` runs the same code on the CPU
+(emulated float8, meaningless figures) so that the suite keeps it working without a GPU.
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
@@ -30,8 +38,10 @@ from dream_trainer import DreamTrainer, DreamTrainerConfig
 from dream_trainer.callbacks import CallbackCollection
 from dream_trainer.configs import (CheckpointParameters, DeviceParameters, LoggingParameters,
                                    TrainingParameters)
+from dream_trainer.configs.device import Float8Recipe
 
 SEED, LR, CLIP = 0, 3e-4, 1.0
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
 # Dense bfloat16 peak of the SXM parts (NVIDIA's datasheets; H200 has the H100's compute).
 PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
@@ -40,11 +50,17 @@ def peak_flops(device_name: str) -> float | None:
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in device_name), None)
 
 
-def make_batches(shape: GPTShape, batch_size: int, n: int) -> list[tuple[torch.Tensor, ...]]:
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    tokens = torch.randint(0, shape.vocab, (n, batch_size, shape.seq_len + 1), device="cuda",
+def make_batches(shape: GPTShape, batch_size: int, n: int,
+                 device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    generator = torch.Generator(device=device).manual_seed(1)
+    tokens = torch.randint(0, shape.vocab, (n, batch_size, shape.seq_len + 1), device=device,
                            generator=generator)
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def compile_blocks(model: GPT) -> None:
@@ -52,36 +68,43 @@ def compile_blocks(model: GPT) -> None:
         model.blocks[index] = torch.compile(block)
 
 
-def fresh_memory_stats() -> None:
+def fresh_memory_stats(device: torch.device) -> None:
     """Free what the previous run left (trainers hold reference cycles), then reset the peak."""
     gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
-def hand_written(shape: GPTShape, batches: list[Any], warmup: int) -> dict[str, Any]:
-    fresh_memory_stats()
+def peak_memory_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def hand_written(shape: GPTShape, batches: list[Any], warmup: int, device: torch.device,
+                 compile: bool) -> dict[str, Any]:
+    fresh_memory_stats(device)
     torch.manual_seed(SEED)
-    model = GPT(shape).cuda()
+    model = GPT(shape).to(device)
     init_gpt(model)
-    compile_blocks(model)
+    if compile:
+        compile_blocks(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     start = 0.0
     for index, (tokens, targets) in enumerate(batches):
         if index == warmup:
-            torch.cuda.synchronize()
+            synchronize(device)
             start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = lm_loss(model(tokens), targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
+    synchronize(device)
     seconds = time.perf_counter() - start
     n_params = sum(p.numel() for p in model.parameters())
     return {"seconds": seconds, "final_loss": loss.item(), "n_params": n_params,
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+            "peak_memory_gib": peak_memory_gib(device)}
 
 
 class BenchConfig(DreamTrainerConfig):
@@ -111,7 +134,7 @@ class GPTBench(DreamTrainer):
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         if batch_idx == self.config.warmup:
-            torch.cuda.synchronize()
+            synchronize(self.world.device)
             self.start = time.perf_counter()
         tokens, targets = batch
         loss = lm_loss(self.model(tokens), targets)
@@ -123,7 +146,7 @@ class GPTBench(DreamTrainer):
     def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
         super().post_train_batch(result, batch_idx)
         if batch_idx == len(self.batches) - 1:  # stop the clock before fit()'s teardown
-            torch.cuda.synchronize()
+            synchronize(self.world.device)
             self.end = time.perf_counter()
 
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
@@ -131,43 +154,59 @@ class GPTBench(DreamTrainer):
 
 
 def dream(shape: GPTShape, batches: list[Any], warmup: int, batch_size: int,
-          workdir: Path, default_callbacks: bool = True) -> dict[str, Any]:
+          workdir: Path, device: torch.device, compile: bool, default_callbacks: bool = True,
+          float8_recipe: Float8Recipe | None = None) -> dict[str, Any]:
     extra = {} if default_callbacks else {"callbacks": CallbackCollection()}
     config = BenchConfig(**extra,
         project="bench", group="gpu", experiment="gpt", seed=SEED, warmup=warmup,
-        device_parameters=DeviceParameters(param_dtype=torch.bfloat16, compile_model=True),
+        device_parameters=DeviceParameters(param_dtype=torch.bfloat16, compile_model=compile,
+                                           float8_recipe=float8_recipe),
         training_parameters=TrainingParameters(n_epochs=1, train_batch_size=batch_size,
                                                gradient_clip_val=CLIP),
         checkpoint_parameters=CheckpointParameters(root_dir=workdir, every_n_epochs=None),
         logging_parameters=LoggingParameters(log_dir=workdir))
     trainer = GPTBench(config, shape, batches)
-    fresh_memory_stats()
+    fresh_memory_stats(device)
     trainer.fit()
     shutil.rmtree(workdir)  # fit() always ends with a checkpoint: ~12 GB at this size
     assert trainer.last_loss is not None
+    float8_layers = sum(type(module).__name__ == "Float8Linear"
+                        for module in trainer.model.modules())
     return {"seconds": trainer.end - trainer.start, "final_loss": trainer.last_loss.item(),
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+            "peak_memory_gib": peak_memory_gib(device), "float8_layers": float8_layers}
 
 
-def measure(shape: GPTShape, batch_size: int, steps: int, warmup: int,
-            trials: int) -> dict[str, Any]:
-    batches = make_batches(shape, batch_size, warmup + steps)
+def measure(shape: GPTShape, batch_size: int, steps: int, warmup: int, trials: int,
+            float8_recipes: Sequence[Float8Recipe] = FLOAT8_RECIPES,
+            device: torch.device | None = None, compile: bool = True) -> dict[str, Any]:
+    """Run every variant ``trials`` times, alternating; ``device`` defaults to the GPU."""
+    device = device or torch.device("cuda")
+    batches = make_batches(shape, batch_size, warmup + steps, device)
     tokens_per_step = batch_size * shape.seq_len
-    runs: dict[str, list[dict[str, Any]]] = {"hand": [], "dream": [], "dream_no_callbacks": []}
+    runs: dict[str, list[dict[str, Any]]] = {"hand": [], "dream": [], "dream_no_callbacks": [],
+                                             **{f"dream_float8_{r}": [] for r in float8_recipes}}
+    common = {"device": device, "compile": compile}
     with tempfile.TemporaryDirectory() as tmp:
         for trial in range(trials):
-            runs["hand"].append(hand_written(shape, batches, warmup))
-            runs["dream"].append(dream(shape, batches, warmup, batch_size, Path(tmp) / str(trial)))
+            runs["hand"].append(hand_written(shape, batches, warmup, **common))
+            runs["dream"].append(dream(shape, batches, warmup, batch_size, Path(tmp) / str(trial),
+                                       **common))
             runs["dream_no_callbacks"].append(dream(shape, batches, warmup, batch_size,
-                                                    Path(tmp) / f"{trial}-bare", False))
+                                                    Path(tmp) / f"{trial}-bare", **common,
+                                                    default_callbacks=False))
+            for recipe in float8_recipes:
+                runs[f"dream_float8_{recipe}"].append(dream(
+                    shape, batches, warmup, batch_size, Path(tmp) / f"{trial}-{recipe}",
+                    **common, float8_recipe=recipe))
     n_params = runs["hand"][0]["n_params"]
     flops_per_token = shape.flops_per_token(n_params)
-    device = torch.cuda.get_device_name()
-    peak = peak_flops(device)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    peak = peak_flops(device_name)
     result: dict[str, Any] = {
-        "device": device, "torch": torch.__version__, "shape": asdict(shape),
+        "device": device_name, "torch": torch.__version__, "shape": asdict(shape),
         "batch_size": batch_size, "steps": steps, "warmup": warmup, "trials": trials,
         "n_params": n_params, "flops_per_token": flops_per_token, "peak_flops": peak,
+        "compile": compile, "float8_recipes": list(float8_recipes),
     }
     for name, trial_runs in runs.items():
         rates = [steps * tokens_per_step / run["seconds"] for run in trial_runs]
@@ -177,11 +216,18 @@ def measure(shape: GPTShape, batch_size: int, steps: int, warmup: int,
             "tokens_per_second_trials": rates,
             "mfu": None if peak is None else tokens_per_second * flops_per_token / peak,
             "final_loss": [run["final_loss"] for run in trial_runs],
-            "peak_memory_gib": max(run["peak_memory_gib"] for run in trial_runs),
+            "peak_memory_gib": None if device.type != "cuda"
+            else max(run["peak_memory_gib"] for run in trial_runs),
         }
+        if name.startswith("dream"):
+            result[name]["float8_layers"] = trial_runs[0]["float8_layers"]
     for name in ("dream", "dream_no_callbacks"):
         result[f"{name}_over_hand_throughput"] = (result[name]["tokens_per_second"]
                                                   / result["hand"]["tokens_per_second"])
+    for recipe in float8_recipes:
+        result[f"dream_float8_{recipe}_over_dream_throughput"] = (
+            result[f"dream_float8_{recipe}"]["tokens_per_second"]
+            / result["dream"]["tokens_per_second"])
     return result
 
 
@@ -195,6 +241,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--float8", nargs="*", default=list(FLOAT8_RECIPES),
+                        choices=get_args(Float8Recipe),
+                        help="float8 recipes to run beside bfloat16 (none: --float8 alone)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -202,7 +251,8 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     shape = GPTShape(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                      seq_len=args.seq_len)
-    result = measure(shape, args.batch_size, args.steps, args.warmup, args.trials)
+    result = measure(shape, args.batch_size, args.steps, args.warmup, args.trials,
+                     args.float8)
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
