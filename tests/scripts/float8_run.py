@@ -33,7 +33,7 @@ from dream_trainer.parallel.float8 import float8_tensor_parallel_styles
 from tests.helpers.checkpointing import Killer
 from tests.helpers.launch import save_on_rank_zero
 from tests.helpers import transformer
-from tests.helpers.transformer import TransformerConfig, TransformerTrainer, next_token_loss
+from tests.helpers.transformer import StepAPITrainer, TransformerConfig, TransformerTrainer
 
 DIM = 32
 LOW_RANK = 24  # not a multiple of 16: the adapter's two layers stay in high precision
@@ -133,13 +133,7 @@ class PipelinedFloat8Trainer(Float8Trainer):
     """The same GPT trained through ``forward_backward``, which runs it as pipeline stages;
     records every stage's layers and weights, not only this rank's."""
 
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        (tokens,) = batch
-        loss = self.forward_backward(self.model, tokens[:, :-1], target=tokens[:, 1:],
-                                     loss_fn=next_token_loss)
-        if not self.is_accumulating_gradients:
-            return {"loss": loss, "grad_norm": self.step(self.model, self.optimizer)}
-        return {"loss": loss}
+    training_step = StepAPITrainer.training_step  # its data and validation stay this GPT's
 
     def post_setup(self) -> None:
         super().post_setup()
