@@ -54,8 +54,10 @@ PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
 Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 """torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``)."""
 
-DEFAULT_FLOAT8_FILTER: tuple[str, ...] = ("output", "head", "lm_head")
-"""Module names kept in high precision by default: the usual names of an output head."""
+DEFAULT_FLOAT8_FILTER: tuple[str, ...] = ("output", "head", "lm_head", "router", "gate")
+"""Module names kept in high precision by default: the usual names of an output head and of
+a mixture of experts' router (``dream_trainer.nn.MoE``'s ``router``; ``gate`` in transformers'
+MoE blocks, whose dense MLPs' ``gate_proj`` is another name and converts)."""
 
 SINGLE_STAGE_SCHEDULES = frozenset({"GPipe", "1F1B"})
 """Schedules that run exactly one stage per rank."""
@@ -199,9 +201,10 @@ class DeviceParameters(ConfigModel):
     """Module names kept in high precision when ``float8_recipe`` is set: an entry matches a
     module when it is a run of whole components of the module's name (``"head"`` keeps
     ``head``, ``model.head`` and everything under them; ``"layers.0"`` the first block). The
-    default keeps the usual names of an output head. Linear layers whose ``in_features`` or
-    ``out_features`` is not a multiple of 16 always stay in high precision (float8 matmuls
-    need it)."""
+    default keeps the usual names of an output head and of an MoE router, whose scores pick
+    the experts (with 16 or more experts a router's shape would convert). Linear layers whose
+    ``in_features`` or ``out_features`` is not a multiple of 16 always stay in high precision
+    (float8 matmuls need it)."""
 
     @model_validator(mode="before")
     @classmethod

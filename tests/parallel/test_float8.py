@@ -70,6 +70,14 @@ def test_filter_matches_whole_name_components() -> None:
     assert not converts(nn.Linear(32, 24), "layers.0.down", ["head"])  # 24 % 16 != 0
     assert not converts(nn.Linear(32, 32), "head", ["head"])
     assert not converts(nn.LayerNorm(32), "norm", [])
+    # By default an MoE router stays in high precision even when its shape would convert
+    # (16 experts): dream_trainer's MoE names it router, transformers' MoE blocks gate. A
+    # dense MLP's gate_proj is another name and converts.
+    default = DeviceParameters(float8_recipe="tensorwise").float8_filter
+    assert not converts(nn.Linear(32, 16), "layers.0.moe.router", default)
+    assert not converts(nn.Linear(32, 16), "model.layers.0.mlp.gate", default)
+    assert converts(nn.Linear(32, 64), "model.layers.0.mlp.gate_proj", default)
+    assert not converts(nn.Linear(32, 32000), "lm_head", default)
     # A model without float8 layers gets torch's own tensor-parallel styles.
     assert [style.__name__ for style in float8_tensor_parallel_styles(nn.Linear(16, 16))] \
         == ["ColwiseParallel", "RowwiseParallel", "PrepareModuleInput"]
