@@ -59,6 +59,9 @@ DEFAULT_FLOAT8_FILTER: tuple[str, ...] = ("output", "head", "lm_head", "router",
 a mixture of experts' router (``dream_trainer.nn.MoE``'s ``router``; ``gate`` in transformers'
 MoE blocks, whose dense MLPs' ``gate_proj`` is another name and converts)."""
 
+_EARLIER_FLOAT8_FILTERS = {("output", "head", "lm_head")}
+"""Defaults of earlier releases, which the configurations they dumped hold."""
+
 SINGLE_STAGE_SCHEDULES = frozenset({"GPipe", "1F1B"})
 """Schedules that run exactly one stage per rank."""
 V_SCHEDULES = frozenset({"ZBVZeroBubble", "DualPipeV"})
@@ -254,7 +257,8 @@ class DeviceParameters(ConfigModel):
         if self.float8_recipe is None:
             # Compared with the default, not model_fields_set: a dumped and re-read config
             # sets every field.
-            if self.float8_filter != DEFAULT_FLOAT8_FILTER:
+            if self.float8_filter != DEFAULT_FLOAT8_FILTER \
+                    and self.float8_filter not in _EARLIER_FLOAT8_FILTERS:
                 raise ValueError("float8_filter is set but float8_recipe is None, so nothing "
                                  "is converted to float8: set float8_recipe ('tensorwise', "
                                  "'rowwise' or 'rowwise_with_gw_hp'), or drop float8_filter")

@@ -276,6 +276,9 @@ def test_config_validation_names_the_field_and_fix() -> None:
         DeviceParameters(float8_recipe="blockwise")
     with pytest.raises(ValidationError, match="float8_filter is set but float8_recipe is None"):
         DeviceParameters(float8_filter=("head",))
+    # A configuration dumped with the earlier default (before MoE routers joined it) loads.
+    assert DeviceParameters.model_validate(
+        {"float8_filter": ["output", "head", "lm_head"]}).float8_recipe is None
     with pytest.raises(ValidationError, match="not a module name"):
         DeviceParameters(float8_recipe="rowwise", float8_filter=("layers..q",))
     params = DeviceParameters(float8_recipe="rowwise", float8_filter=("head", "layers.0"))
