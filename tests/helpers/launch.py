@@ -98,9 +98,7 @@ def torchrun(script: str | Path, args: Sequence[str] = (), nproc: int = 2,
             returncode = _supervise(ranks, timeout, command)
         finally:
             for rank in ranks:
-                if rank.poll() is None:
-                    rank.kill()
-                    rank.wait()
+                _kill_session(rank)
             del store
         out.seek(0)
         err.seek(0)
@@ -141,8 +139,22 @@ def _supervise(ranks: Sequence[subprocess.Popen[str]], timeout: float,
         try:
             rank.wait(timeout=max(0.0, grace - time.monotonic()))
         except subprocess.TimeoutExpired:
-            rank.kill()
+            _kill_session(rank)
     return 1
+
+
+def _kill_session(rank: subprocess.Popen[str]) -> None:
+    """SIGKILL ``rank`` and the rest of the session it leads (its data-loader workers and
+    other children) if it is still running, then reap it. Until it is reaped its pid is not
+    reused, so the signal reaches no other process."""
+    import signal
+
+    if rank.poll() is None:
+        try:
+            os.killpg(rank.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    rank.wait()
 
 
 def run_script(script: str | Path, nproc: int, *args: str | Path,
