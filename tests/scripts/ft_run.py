@@ -4,7 +4,8 @@ Run under torchrun, one launch per replica group. Rank 0 appends one JSON line p
 step to OUT/replica_<id>.jsonl (global and committed steps, quorum size, recoveries, its pid);
 every rank writes its pid to OUT/pid_<id>_<rank> at setup; after training rank 0 saves the
 full model weights to OUT/weights_<id>.pt. Training goes on until the number written to
---stop-file (once it exists) or --max-steps optimizer steps.
+--stop-file (once it exists) or --max-steps optimizer steps. A worker that torchrun restarted
+waits for --restart-gate (once given) to exist before it starts again.
 """
 
 from __future__ import annotations
@@ -175,7 +176,15 @@ def main() -> None:
                         help="make every other step token-weighted (backward with num_items)")
     parser.add_argument("--checkpoint", action="store_true",
                         help="checkpoint at the end and resume from the latest checkpoint")
+    parser.add_argument("--restart-gate", type=Path, default=None,
+                        help="a restarted worker waits for this file before it starts")
     args = parser.parse_args()
+    if args.restart_gate is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        deadline = time.monotonic() + 300
+        while not args.restart_gate.exists():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{args.restart_gate} did not appear within 300 s")
+            time.sleep(0.05)
     record = args.out / (f"replica_{args.replica_id}.jsonl" if args.mode == "ft" else "ddp.jsonl")
     callbacks: list[Callback[Any]] = [Steps(record, args.stop_file)]
     if args.callbacks:
