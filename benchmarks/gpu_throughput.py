@@ -26,8 +26,8 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import asdict
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, get_args
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -80,8 +83,6 @@ def torchrun(script: str | Path, args: Sequence[str] = (), nproc: int = 2,
     Raises:
         subprocess.TimeoutExpired: after ``timeout`` seconds, the ranks killed.
     """
-    import tempfile
-
     from torch.distributed import TCPStore
 
     port = free_port()
@@ -105,22 +106,25 @@ def torchrun(script: str | Path, args: Sequence[str] = (), nproc: int = 2,
         return subprocess.CompletedProcess(command, returncode, out.read(), err.read())
 
 
-def _worker_env(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
-    """The variables torchrun sets for rank ``rank`` of one node of ``nproc``."""
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
-            "ROLE_RANK": str(rank), "ROLE_NAME": "default", "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1",
-            "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-            "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "True"}
+def _worker_env(rank: int, nproc: int, port: int, run_id: str | None) -> dict[str, str]:
+    """The variables torchrun sets for rank ``rank`` of one node of ``nproc``; with a
+    ``run_id`` also its elastic ones, which say that the launcher hosts the store (without
+    one, rank 0 hosts it)."""
+    variables = {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+                 "ROLE_RANK": str(rank), "ROLE_NAME": "default", "WORLD_SIZE": str(nproc),
+                 "LOCAL_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1",
+                 "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}
+    if run_id is not None:
+        variables |= {"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                      "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    return variables
 
 
 def _supervise(ranks: Sequence[subprocess.Popen[str]], timeout: float,
                command: Sequence[str]) -> int:
     """Wait for ``ranks`` as torchrun's agent does: 0 when all exit 0; on the first failure,
     SIGTERM the rest, give them 30 s, SIGKILL them, and return 1."""
-    import time
-
     deadline = time.monotonic() + timeout
     while True:
         codes = [rank.poll() for rank in ranks]
@@ -147,8 +151,6 @@ def _kill_session(rank: subprocess.Popen[str]) -> None:
     """SIGKILL ``rank`` and the rest of the session it leads (its data-loader workers and
     other children) if it is still running, then reap it. Until it is reaped its pid is not
     reused, so the signal reaches no other process."""
-    import signal
-
     if rank.poll() is None:
         try:
             os.killpg(rank.pid, signal.SIGKILL)
@@ -194,12 +196,10 @@ def spawn_ranks(script: str | Path, args: Sequence[str] = (), nproc: int = 2,
                 env: Mapping[str, str] | None = None) -> list[subprocess.Popen[str]]:
     """Start ``nproc`` processes with torchrun's variables set by hand (no agent to kill
     the survivors), so a test sees how each rank exits on its own."""
-    port = str(free_port())
+    port = free_port()
     procs = []
     for rank in range(nproc):
-        rank_env = child_env({"RANK": str(rank), "LOCAL_RANK": str(rank),
-                             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(env or {})})
+        rank_env = child_env({**_worker_env(rank, nproc, port, None), **(env or {})})
         procs.append(subprocess.Popen([sys.executable, str(script), *args], env=rank_env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))

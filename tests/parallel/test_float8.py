@@ -130,6 +130,7 @@ def test_compile_trains_the_float8_layers_as_eager_does(
     # rounding (measured 6e-8). The cold compile takes most of this test's time.
     run = train(float8_config(DeviceParameters.SINGLE_DEVICE(
         float8_recipe="tensorwise", compile_model=True), 1))
+
     def uncompiled(named: dict[str, Any]) -> dict[str, Any]:
         return {name.replace("._orig_mod", ""): value for name, value in named.items()}
 

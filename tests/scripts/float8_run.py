@@ -118,6 +118,7 @@ class Float8Trainer(TransformerTrainer, CheckpointMixin, LoggerMixin):
             parallelize_module(block, tp_mesh, plan)
 
     def post_setup(self) -> None:
+        self.histograms = {}
         self.layer_types = {name: type(module).__name__
                             for name, module in self.model.named_modules()
                             if isinstance(module, nn.Linear)}
@@ -202,7 +203,6 @@ def train(config: Float8Config) -> dict[str, Any]:
     """Fit ``config``; return the recorded layer types, keys, losses and weights."""
     pipelined = config.device_parameters.pipeline_parallel > 1
     trainer = (PipelinedFloat8Trainer if pipelined else Float8Trainer)(config)
-    trainer.histograms = {}
     loaded, losses, ema = Loaded(), Losses(), EMA(decay=0.5)
     averages = Averages(ema)
     for callback in (loaded, losses, ema, averages, Histograms(every_n_steps=STEPS)):
