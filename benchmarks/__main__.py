@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from benchmarks import (checkpoint_speed, expert_steps, hf_load_memory, meta_init_memory,
-                        pipeline_steps, plan_scale, resume_time, startup, step_overhead,
-                        stream_resume, training_memory)
+                        metadata_decode, pipeline_steps, plan_scale, resume_time, startup,
+                        step_overhead, stream_resume, training_memory)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -57,6 +57,9 @@ def sections(quick: bool, lightning_python: str | None) -> dict[str, Callable[[]
         "expert_steps": lambda: expert_steps.measure(8 if quick else 40, 1 if quick else 3),
         "gpu_throughput": lambda: gpu_result(quick),
         "plan_scale": lambda: plan_scale.measure(quick),
+        "metadata_decode": lambda: metadata_decode.measure(20 if quick else 2000,
+                                                           4 if quick else 64,
+                                                           1 if quick else 3),
     }
 
 
@@ -86,7 +89,7 @@ def markdown(results: dict[str, Any]) -> str:
                       "training_memory": training_memory, "meta_init_memory": meta_init_memory,
                       "hf_load_memory": hf_load_memory, "checkpoint_speed": checkpoint_speed,
                       "stream_resume": stream_resume, "resume_time": resume_time,
-                      "plan_scale": plan_scale,
+                      "plan_scale": plan_scale, "metadata_decode": metadata_decode,
                       "pipeline_steps": pipeline_steps, "expert_steps": expert_steps}[kind]
             lines += module.markdown(result)
     return "\n".join(lines) + "\n"

@@ -1,47 +1,32 @@
-"""Reading a checkpoint without running its code: every pickle in it goes through an allowlist.
+"""Reading a checkpoint without running its code, whoever wrote it.
 
-torch's DCP unpickles a checkpoint's ``.metadata`` with ``pickle.load`` and its non-tensor
-items with ``torch.load(weights_only=False)``; either runs whatever a crafted file asks for.
-Here ``.metadata`` is unpickled by an unpickler that only constructs DCP's metadata classes
-and torch's sizes, dtypes and layouts, and every non-tensor item (and every value
-dream_trainer packed into one) by torch's weights-only unpickler, which constructs tensors,
-builtin containers and scalars. A type outside both lists raises ``CheckpointError`` naming it
-and the file, before anything of it is built. A user who keeps their own class in a
+torch's DCP unpickles a checkpoint's ``.metadata`` with ``pickle.load`` and its items with
+``torch.load``; a crafted file runs code through the one and can redirect the process through
+the other. Here every pickle of a checkpoint (``.metadata``, each tensor, each non-tensor
+item, each value dream_trainer packed into one) is decoded by ``safe_pickle``, which builds
+fresh values of allowed types and refuses anything else with ``CheckpointError`` naming the
+file. ``.metadata`` is checked against the checksum recorded at commit before it is parsed,
+and files are opened without following symlinks. A user who keeps their own class in a
 checkpoint trusts it explicitly: ``CheckpointParameters.trusted_globals`` or
 ``trust_globals()``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import io
-import pickle
-import re
+import os
+import stat
 from collections.abc import Iterable
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 import torch
 
+from dream_trainer.checkpoint.layout import INFO, METADATA, CheckpointInfo
+from dream_trainer.checkpoint.safe_pickle import MAX_PICKLE_BYTES, load_archive, loads
 from dream_trainer.errors import CheckpointError
-
-_METADATA_CLASSES = frozenset({
-    "torch.distributed.checkpoint.metadata." + name for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {
-    "torch.distributed.checkpoint.filesystem._StorageInfo",
-    "torch.Size", "torch.serialization._get_layout",
-    "collections.OrderedDict", "builtins.set", "builtins.frozenset",
-    # StorageMeta keeps the checkpoint id as the path it was saved to.
-    "pathlib.Path", "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath",
-    "pathlib.PureWindowsPath",
-})
-"""What DCP's ``.metadata`` legitimately holds (read off real checkpoints of every layout),
-besides ``torch.<dtype>``."""
-
-_OWN = frozenset({"dream_trainer.checkpoint.state.TensorRef"})
-"""What dream_trainer itself packs besides plain types: where a tensor stood in a packed value
-(a frozen dataclass holding a string)."""
 
 _TRUSTED: dict[str, Any] = {}
 """What ``trust_globals`` allowed, by full name."""
@@ -86,102 +71,175 @@ def _resolve(name: str) -> Any:
                           "module path and the class name")
 
 
-def _refusal(found: str, source: str) -> CheckpointError:
-    return CheckpointError(
-        f"{source} would unpickle {found}, which is not an allowed type: reading it could run "
-        "code. If this checkpoint comes from a run you trust and the type is yours, allow it "
-        f"with checkpoint_parameters.trusted_globals=['{found}'] (or "
-        "dream_trainer.checkpoint.trust_globals)")
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, source: str, trusted: frozenset[str]) -> None:
-        super().__init__(io.BytesIO(data))
-        self.source = source
-        self.trusted = trusted
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = f"{module}.{name}"
-        allowed = found in _METADATA_CLASSES or found in self.trusted or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        if not allowed:
-            raise _refusal(found, self.source)
-        return super().find_class(module, name)
-
-
-def load_metadata(data: bytes, source: str, trusted: Iterable[str] = ()) -> Any:
-    """Unpickle a DCP ``.metadata`` file's bytes through the metadata allowlist.
-
-    Raises:
-        CheckpointError: naming the first global outside the allowlist, and ``source``.
-    """
-    try:
-        return _MetadataUnpickler(data, source, frozenset(trusted) | _TRUSTED.keys()).load()
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        raise CheckpointError(f"cannot read {source}: {type(exc).__name__}: {exc}") from exc
+def _trusted(names: Iterable[str]) -> dict[str, Any]:
+    """The user's trusted objects by full name: ``names`` resolved, and ``trust_globals``'."""
+    return {**{name: _resolve(name) for name in sorted(frozenset(names))}, **_TRUSTED}
 
 
 def load_item(data: io.BytesIO | bytes, source: str, trusted: Iterable[str] = (),
               map_location: torch.device | str | None = None) -> Any:
-    """``torch.load`` of a non-tensor item with torch's weights-only unpickler, which also
-    accepts the trusted globals.
+    """Decode a ``torch.save`` archive of plain values and tensors (a checkpoint item, or a
+    value dream_trainer packed), its tensors moved to ``map_location``.
 
     Raises:
-        CheckpointError: naming the global it refused, and ``source``.
+        CheckpointError: naming ``source`` and what it refused.
     """
-    stream = io.BytesIO(data) if isinstance(data, bytes) else data
-    allowed = [_resolve(name) for name in sorted(frozenset(trusted) | _OWN)]
-    allowed += _TRUSTED.values()
+    raw = data.getvalue() if isinstance(data, io.BytesIO) else data
+    return load_archive(raw, source, _trusted(trusted), map_location)
+
+
+def open_inside(directory: Path, name: str) -> IO[bytes]:
+    """``directory / name`` opened for reading, refusing a symlink or anything but a regular
+    file: a checkpoint's files are its own, and a link would read one no checksum covers.
+
+    Raises:
+        CheckpointError: naming the file.
+    """
+    path = directory / name
     try:
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(stream, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        found = re.search(r"GLOBAL (\S+)", str(exc))
-        if found is None:
-            raise CheckpointError(f"{source} cannot be read safely: {exc}") from exc
-        raise _refusal(found.group(1).rstrip(","), source) from exc
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} is missing") from None
+    except OSError as exc:
+        if os.path.islink(path):
+            raise CheckpointError(f"checkpoint file {path} is a symlink: a checkpoint's files "
+                                  "must be its own; copy the target in instead") from None
+        raise CheckpointError(f"cannot open checkpoint file {path}: {exc}") from exc
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise CheckpointError(f"checkpoint file {path} is not a regular file")
+    return os.fdopen(descriptor, "rb")
 
 
-def safe_reader(path: str, trusted: Iterable[str] = ()) -> Any:
-    """A DCP ``FileSystemReader`` for ``path`` whose ``.metadata`` and non-tensor items are
-    unpickled through the allowlists (``load_metadata``, ``load_item``)."""
+def read_metadata_bytes(directory: Path) -> bytes:
+    """The bytes of ``directory``'s ``.metadata``, checked against the checksum recorded in
+    its ``dream_trainer.json`` (when it has one) before anyone parses them.
+
+    Raises:
+        CheckpointError: naming the file, if it is too large, a link, or altered.
+    """
+    with open_inside(directory, METADATA) as file:
+        size = os.fstat(file.fileno()).st_size
+        if size > MAX_PICKLE_BYTES:
+            raise CheckpointError(f"{directory / METADATA} is {size} bytes, more than the "
+                                  f"{MAX_PICKLE_BYTES} a checkpoint's metadata may have")
+        data = file.read()
+    # Absent while a save commits (the checksums are being computed) and in checkpoints
+    # written before checksums: the decoder alone guards those.
+    recorded = CheckpointInfo.read(directory).files if (directory / INFO).is_file() else None
+    if recorded is not None and METADATA in recorded \
+            and hashlib.sha256(data).hexdigest() != recorded[METADATA]:
+        raise CheckpointError(
+            f"checkpoint file {directory / METADATA} does not match the checksum recorded when "
+            "the checkpoint was written: its contents changed (a disk or copy error, or an "
+            "edit); it was not parsed. Resume from an earlier checkpoint")
+    return data
+
+
+def safe_reader(path: str | Path, trusted: Iterable[str] = ()) -> Any:
+    """A DCP storage reader for the checkpoint directory ``path`` that decodes every pickle
+    with ``safe_pickle`` and opens files without following symlinks."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.distributed._shard._utils import narrow_tensor_by_index
 
-    trusted = frozenset(trusted)
+    directory = Path(path)
+    objects = _trusted(trusted)
 
     class SafeFileSystemReader(FileSystemReader):
+        decoded: Any = None  # the metadata, decoded once per reader: it costs milliseconds
+        # per hundred chunks, and a load asks for it twice (the shape check, then DCP)
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata_path = self._get_metadata_path(kwargs.get("rank"))
-            with self.fs.create_stream(metadata_path, "rb") as stream:
-                metadata = load_metadata(stream.read(), str(metadata_path), trusted)
+            if self.decoded is None:
+                self.decoded = loads(read_metadata_bytes(directory),
+                                     str(directory / METADATA), "metadata")
+            metadata = self.decoded
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
-        def read_data(self, plan: Any, planner: Any) -> Any:
-            return super().read_data(plan, _CheckedBytes(planner, path, trusted))
+        def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
+            # DCP's own loop, with its torch.load calls replaced by the safe decoder.
+            per_file: dict[str, list[Any]] = {}
+            for item in plan.items:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path,
+                                    []).append(item)
+            for name, items in per_file.items():
+                with open_inside(directory, name) as file:
+                    for item in items:
+                        _read_item(file, directory / name, item, self, planner)
+            done: torch.futures.Future[None] = torch.futures.Future()
+            done.set_result(None)
+            return done
 
-    return SafeFileSystemReader(path)
+    def _read_item(file: IO[bytes], path: Path, item: Any, reader: Any, planner: Any) -> None:
+        info = reader.storage_data[item.storage_index]
+        if os.fstat(file.fileno()).st_size < info.offset + info.length:
+            raise CheckpointError(f"checkpoint file {path} is truncated: item "
+                                  f"{item.storage_index.fqn} needs bytes up to "
+                                  f"{info.offset + info.length}; resume from an earlier "
+                                  "checkpoint")
+        data = reader.transforms.transform_load_stream(
+            item, info.transform_descriptors or (), _Slice(file, info.offset, info.length))
+        if not data.seekable():  # a transform's stream: zip reading needs to seek
+            data = io.BytesIO(data.read())
+        source = f"checkpoint {directory} (item {item.storage_index.fqn})"
+        if item.type == LoadItemType.BYTE_IO:
+            value = load_archive(data, source, objects)
+            # The planner torch.loads what it is given: hand it the decoded value saved anew,
+            # which holds only allowed types.
+            planner.load_bytes(item, io.BytesIO(_saved(value)))
+            return
+        tensor = load_archive(data, source)
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"{source} should hold a tensor, not a {type(tensor).__name__}")
+        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise CheckpointError(f"{source} holds a chunk of size {tuple(tensor.size())} where "
+                                  f"the metadata places one of {tuple(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+    return SafeFileSystemReader(str(directory))
 
 
-class _CheckedBytes:
-    """The load planner, but every non-tensor item is first read by ``load_item``: the
-    planner's own ``torch.load(weights_only=False)`` then only meets allowed types."""
+class _Slice(io.RawIOBase):
+    """``length`` bytes of ``file`` from ``offset``, as a seekable file of their own: an item
+    is decoded in place, without a copy of a whole tensor's bytes."""
 
-    def __init__(self, planner: Any, path: str, trusted: frozenset[str]) -> None:
-        self._planner = planner
-        self._path = path
-        self._trusted = trusted
+    def __init__(self, file: IO[bytes], offset: int, length: int) -> None:
+        super().__init__()
+        self._file, self._start, self._length, self._position = file, offset, length, 0
 
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        load_item(value, f"checkpoint {self._path} (item {read_item.dest_index.fqn})",
-                  self._trusted)
-        value.seek(0)
-        self._planner.load_bytes(read_item, value)
+    def readable(self) -> bool:
+        return True
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._planner, name)
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = min(max(base + offset, 0), self._length)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        count = min(len(buffer), self._length - self._position)
+        if count <= 0:
+            return 0
+        self._file.seek(self._start + self._position)
+        read = self._file.readinto(memoryview(buffer)[:count])  # type: ignore[attr-defined]
+        self._position += read
+        return read
+
+
+def _saved(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()

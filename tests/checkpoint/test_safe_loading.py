@@ -44,11 +44,12 @@ class _Disguised:
         return operator.getitem, ((_Payload(self.marker), self.value), 1)
 
 
-def _rechecksum(checkpoint: Path) -> None:
-    """Update dream_trainer.json's checksums as an attacker would, so that only the pickle
-    allowlist stands between the file and the payload."""
+def _rechecksum(checkpoint: Path, only: str | None = None) -> None:
+    """Update dream_trainer.json's checksums (of every file, or ``only`` that one) as an
+    attacker would, so that only the decoder stands between the file and the payload."""
     info = json.loads((checkpoint / INFO).read_text())
-    info["files"] = {name: checksum(checkpoint / name) for name in info["files"]}
+    info["files"] = {name: checksum(checkpoint / name) if only in (None, name) else digest
+                     for name, digest in info["files"].items()}
     (checkpoint / INFO).write_text(json.dumps(info))
 
 
@@ -59,7 +60,17 @@ def poison_metadata(checkpoint: Path, marker: Path) -> None:
 
 
 def poison_item(checkpoint: Path, marker: Path, fqn: str = ITEM) -> None:
-    """Replace one non-tensor item's bytes in its data file, shifting what follows."""
+    """Replace one non-tensor item by one that runs the payload and unpickles to its value."""
+    def disguised(value: Any) -> bytes:
+        crafted = io.BytesIO()
+        torch.save(_Disguised(marker, value), crafted)
+        return crafted.getvalue()
+    replace_item(checkpoint, fqn, disguised)
+
+
+def replace_item(checkpoint: Path, fqn: str, craft: Any, rechecksum: str | None = "all") -> None:
+    """Replace one non-tensor item's bytes in its data file by ``craft(its value)``, shifting
+    what follows, and rewrite the metadata (and the checksums, as an attacker would)."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     metadata = pickle.loads((checkpoint / METADATA).read_bytes())
@@ -68,9 +79,7 @@ def poison_item(checkpoint: Path, marker: Path, fqn: str = ITEM) -> None:
     data = (checkpoint / info.relative_path).read_bytes()
     value = torch.load(io.BytesIO(data[info.offset:info.offset + info.length]),
                        weights_only=False)
-    crafted = io.BytesIO()
-    torch.save(_Disguised(marker, value), crafted)
-    blob = crafted.getvalue()
+    blob = craft(value)
     shift = len(blob) - info.length
     (checkpoint / info.relative_path).write_bytes(
         data[:info.offset] + blob + data[info.offset + info.length:])
@@ -79,7 +88,8 @@ def poison_item(checkpoint: Path, marker: Path, fqn: str = ITEM) -> None:
             metadata.storage_data[key] = dataclasses.replace(other, offset=other.offset + shift)
     metadata.storage_data[index] = dataclasses.replace(info, length=len(blob))
     (checkpoint / METADATA).write_bytes(pickle.dumps(metadata))
-    _rechecksum(checkpoint)
+    if rechecksum is not None:
+        _rechecksum(checkpoint, None if rechecksum == "all" else rechecksum)
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +216,100 @@ def test_a_user_type_in_state_loads_only_once_trusted(tmp_path: Path) -> None:
     resumed = Budgeted(first.model_copy(update={"checkpoint_parameters": trusted}))
     resumed.fit()
     assert resumed.budget.left == 3 and resumed.global_step == 30
+
+
+# -- round 2: state changed through allowed classes, floods, stale checksums -----------------
+def copy_of(clean: Path, tmp_path: Path) -> Path:
+    checkpoint = tmp_path / "shared" / "step_10"
+    shutil.copytree(clean, checkpoint)
+    return checkpoint
+
+
+def build_on_path_class(checkpoint: Path, target: Path, rechecksum: bool = True) -> None:
+    """Prepend to .metadata the opcodes that BUILD ``pathlib.PurePosixPath`` itself: read by
+    a stock unpickler, every path of the process then names ``target`` (so an export's clean-up
+    of its staging directory deletes ``target``)."""
+    state = str(target).encode()
+    prefix = (b"\x80\x02cpathlib\nPurePosixPath\nN}X\x04\x00\x00\x00_strX"
+              + len(state).to_bytes(4, "little") + state + b"s\x86b0")
+    (checkpoint / METADATA).write_bytes(prefix + (checkpoint / METADATA).read_bytes())
+    if rechecksum:
+        _rechecksum(checkpoint)
+
+
+def test_build_on_an_allowed_class_is_refused_everywhere_and_deletes_nothing(
+        clean: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = copy_of(clean, tmp_path)
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "data.txt").write_text("keep")
+    build_on_path_class(checkpoint, precious)
+    refused = r"cannot be read safely: it holds setting the state of pathlib\.PurePosixPath"
+
+    for fmt in ("hf", "safetensors"):
+        assert main(["export", str(checkpoint), str(tmp_path / f"out_{fmt}"),
+                     "--format", fmt]) == 1
+        assert "setting the state of pathlib.PurePosixPath" in capsys.readouterr().err
+    config = checkpointed_config(tmp_path / "resume", resume=checkpoint)
+    with pytest.raises(CheckpointError, match=refused):
+        CheckpointedTrainer(config).fit()
+    init = checkpointed_config(tmp_path / "init", resume=None)
+    with pytest.raises(CheckpointError, match=refused):
+        CheckpointedTrainer(init.model_copy(update={"init_weights_from": checkpoint})).fit()
+    assert (precious / "data.txt").read_text() == "keep"
+    assert str(Path("/home/user/run")) == "/home/user/run"
+
+
+def test_a_stale_checksum_refuses_metadata_before_it_is_parsed(clean: Path,
+                                                                tmp_path: Path) -> None:
+    checkpoint = copy_of(clean, tmp_path)
+    build_on_path_class(checkpoint, tmp_path / "precious", rechecksum=False)
+    config = checkpointed_config(tmp_path / "resume", resume=checkpoint)
+    # Named as altered, not as a refused pickle: the decoder never saw the bytes.
+    with pytest.raises(CheckpointError, match=r"step_10/\.metadata does not match the "
+                                              r"checksum recorded .* it was not parsed"):
+        CheckpointedTrainer(config).fit()
+
+
+def flooded_rank_blob(value: bytes) -> bytes:
+    """A rank's packed blob whose pickle is a dict of 100,000 int keys with one hash, saved
+    as DCP saves a blob (an archive holding the bytes)."""
+    import zipfile
+
+    p = 2**61 - 1
+    items = b"".join(b"\x8a\x0a" + (1 + k * p).to_bytes(10, "little", signed=True) + b"K\x00"
+                     for k in range(100_000))
+    inner, out = zipfile.ZipFile(io.BytesIO(value)), io.BytesIO()
+    with zipfile.ZipFile(out, "w") as crafted:
+        for name in inner.namelist():
+            crafted.writestr(name, b"\x80\x02}(" + items + b"u." if name.endswith("data.pkl")
+                             else inner.read(name))
+    outer = io.BytesIO()
+    torch.save(out.getvalue(), outer)
+    return outer.getvalue()
+
+
+def test_a_flood_of_colliding_keys_in_an_item_is_refused_within_seconds(
+        clean: Path, tmp_path: Path) -> None:
+    import time
+
+    checkpoint = copy_of(clean, tmp_path)
+    replace_item(checkpoint, "state.rank0", flooded_rank_blob)
+    config = checkpointed_config(tmp_path / "resume", resume=checkpoint)
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match=r"item state\.rank0\) cannot be read safely: "
+                                              r"it holds more than 64 keys of one dict"):
+        CheckpointedTrainer(config).fit()
+    # Generous: it takes well under a second; inserting the keys would take minutes.
+    assert time.perf_counter() - start < 5
+
+
+def test_a_stale_checksum_refuses_an_item_before_it_is_parsed(clean: Path,
+                                                              tmp_path: Path) -> None:
+    checkpoint = copy_of(clean, tmp_path)
+    # The metadata is made to match; the data file holding the item is not.
+    replace_item(checkpoint, "state.rank0", flooded_rank_blob, rechecksum=METADATA)
+    config = checkpointed_config(tmp_path / "resume", resume=checkpoint)
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp does not match the checksum "
+                                              "recorded"):
+        CheckpointedTrainer(config).fit()
