@@ -181,8 +181,9 @@ class FinetuneTrainer(DreamTrainer):
     @override
     def post_fit(self) -> None:
         super().post_fit()
-        # Collective: every rank writes its slices, rank 0 consolidates them.
-        self.export_weights(self.config.export_dir)
+        # Collective: every rank writes its slices, rank 0 consolidates them. A rerun of the
+        # example replaces the export of the previous one (the directory holds nothing else).
+        self.export_weights(self.config.export_dir, overwrite=True)
         # Collective (FSDP2, a pipeline): every rank computes the trained model's loss.
         tokens = torch.arange(4 * 33, device=self.world.device).view(4, 33) % VOCAB_SIZE
         inputs, targets = tokens[:, :-1], tokens[:, 1:]

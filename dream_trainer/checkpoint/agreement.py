@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from dream_trainer.checkpoint.layout import (CONFIG, METADATA, MODEL_PREFIX, CheckpointError,
-                                             CheckpointInfo, checksum, checksum_share, data_files,
-                                             verify_files)
+                                             CheckpointInfo, checksum, checksum_share,
+                                             verify_files, written_files)
 from dream_trainer.checkpoint.lock import RunLock
 from dream_trainer.checkpoint.trust import safe_reader
 
@@ -35,8 +35,7 @@ def commit(info: CheckpointInfo, rank: int, world_size: int,
     """Checksum every file of a written checkpoint (each rank a share), then let rank 0
     write ``dream_trainer.json`` with the digests, which makes the checkpoint complete."""
 
-    metadata = safe_reader(str(info.path)).read_metadata()
-    files = sorted([*data_files(metadata), METADATA, CONFIG])
+    files = written_files(info.path)
     mine = {name: checksum(info.path / name)
             for name in checksum_share(files, rank, world_size)}
     shares = gather(mine, world_size, group)
@@ -126,11 +125,29 @@ def check_shapes(path: Path, models: dict[str, dict[str, Any]], metadata: Any) -
                               + "; ".join(problems))
 
 
-def config_changes(path: Path, current_json: str) -> list[str]:
-    """``key: saved -> current`` for every config value that differs from the checkpoint's."""
-    if not (path / CONFIG).is_file():
-        return []
-    saved = _flatten(json.loads((path / CONFIG).read_text()))
+def saved_config(path: Path) -> dict[str, Any] | None:
+    """The config the checkpoint at ``path`` was saved with, or None if it has no
+    ``config.json``.
+
+    Raises:
+        CheckpointError: naming the file, if it is not a JSON object.
+    """
+    file = path / CONFIG
+    if not file.is_file():
+        return None
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON or UTF-8
+        raise CheckpointError(f"{file} cannot be read: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(config).__name__}, not a config")
+    return config
+
+
+def config_changes(saved: dict[str, Any], current_json: str) -> list[str]:
+    """``key: saved -> current`` for every value of the config ``current_json`` that differs
+    from ``saved`` (see ``saved_config``)."""
+    saved = _flatten(saved)
     current = _flatten(json.loads(current_json))
     return [f"{key}: {saved.get(key, '<absent>')!r} -> {current.get(key, '<absent>')!r}"
             for key in sorted(saved.keys() | current.keys())

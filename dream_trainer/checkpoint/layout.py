@@ -7,12 +7,14 @@ import json
 import logging
 import os
 import re
+import stat
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dream_trainer.errors import CheckpointError
+from dream_trainer.utils.paths import component_problem
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +49,22 @@ class CheckpointInfo:
 
     @classmethod
     def read(cls, path: Path) -> CheckpointInfo:
-        data = json.loads((path / INFO).read_text())
-        return cls(path, int(data["step"]), int(data["epoch"]), data.get("score"),
-                   data.get("files"))
+        """Read the ``dream_trainer.json`` of the checkpoint at ``path``.
+
+        Raises:
+            CheckpointError: naming the file, if it is not JSON or lacks a field.
+        """
+        file = path / INFO
+        try:
+            data = json.loads(file.read_text())
+            problem = _record_problem(data)
+        except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON or UTF-8
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem is not None:
+            raise CheckpointError(
+                f"{file} cannot be read ({problem}): the checkpoint is damaged. Resume from "
+                "another checkpoint (resume='latest' skips this one) or delete it")
+        return cls(path, data["step"], data["epoch"], data.get("score"), data.get("files"))
 
     def write(self) -> None:
         """Write atomically: a reader sees the whole file or none."""
@@ -58,6 +73,25 @@ class CheckpointInfo:
         temporary = self.path / f"{INFO}.tmp"
         temporary.write_text(json.dumps(payload, indent=2))
         os.replace(temporary, self.path / INFO)
+
+
+def _record_problem(data: Any) -> str | None:
+    """What makes ``data`` not a ``dream_trainer.json`` record, or None."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    for field in ("step", "epoch"):
+        value = data.get(field)
+        if type(value) is not int or value < 0:
+            return f"{field!r} is {value!r}, not a step count"
+    score = data.get("score")
+    if score is not None and type(score) not in (int, float):
+        return f"'score' is {score!r}, not a number"
+    files = data.get("files")
+    if files is not None and not (isinstance(files, dict) and all(
+            isinstance(name, str) and isinstance(digest, str)
+            for name, digest in files.items())):
+        return "'files' is not an object of file names and checksums"
+    return None
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -80,14 +114,26 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
 
 
 def complete_checkpoints(root: Path, warn: bool = False) -> list[CheckpointInfo]:
-    """The complete checkpoints under ``root``, oldest first; incomplete ones are skipped."""
+    """The complete checkpoints under ``root``, oldest first.
+
+    Incomplete ones are skipped, and so are those whose ``dream_trainer.json`` cannot be
+    read: no caller can rank, resume or delete a checkpoint it knows nothing about.
+
+    Args:
+        warn: Log a warning for each checkpoint skipped.
+    """
     infos = []
     for _, path in step_dirs(root):
-        if is_complete(path):
+        if not is_complete(path):
+            if warn:
+                logger.warning("skipping %s: it was not completely written (no %s)", path,
+                               METADATA)
+            continue
+        try:
             infos.append(CheckpointInfo.read(path))
-        elif warn:
-            logger.warning("skipping %s: it was not completely written (no %s)", path,
-                           METADATA)
+        except CheckpointError as exc:
+            if warn:
+                logger.warning("skipping %s: %s", path, exc)
     return infos
 
 
@@ -106,6 +152,14 @@ def checksum(file: Path) -> str:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def written_files(path: Path) -> list[str]:
+    """The files a save just wrote in ``path``: DCP's data files, ``.metadata`` and the
+    config. Listed rather than read from ``.metadata``, whose decoding costs seconds for a
+    checkpoint of many ranks."""
+    return sorted(name for name in os.listdir(path)
+                  if _WRITER.match(name) or name in (METADATA, CONFIG))
 
 
 def checksum_share(names: Any, rank: int, world_size: int) -> list[str]:
@@ -128,36 +182,68 @@ def checksum_share(names: Any, rank: int, world_size: int) -> list[str]:
 
 
 def verify_files(path: Path, metadata: Any, rank: int = 0, world_size: int = 1) -> None:
-    """Check that every data file the metadata points into exists, is long enough, and has
-    the checksum recorded when the checkpoint was committed.
+    """Check that every file the metadata points into is a regular file inside the
+    checkpoint, long enough, and (for a checkpoint with checksums) covered by a checksum
+    recorded when the checkpoint was committed, which it still matches.
 
     Several ranks can share the reading: each checks its ``checksum_share`` of the files
-    (and combines its verdict with the others').
+    (and combines its verdict with the others'); the cheap checks run on every rank.
 
     Raises:
-        CheckpointError: naming the missing, truncated or altered file.
+        CheckpointError: naming the file that lies outside the checkpoint, is a symbolic
+            link, is missing, truncated, covered by no checksum, or altered.
     """
-    files = data_files(metadata)
-    for relative, size in files.items():
-        file = path / relative
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint file {file} is missing")
-        actual = file.stat().st_size
-        if actual < size:
-            raise CheckpointError(
-                f"checkpoint file {file} is truncated: {actual} bytes, the metadata needs "
-                f"{size}; resume from an earlier checkpoint"
-            )
+    needed = data_files(metadata)
     recorded = CheckpointInfo.read(path).files if (path / INFO).is_file() else None
+    sizes = {name: _entry_size(path, name, path / METADATA) for name in needed}
+    for name in [*(recorded or {}), METADATA]:
+        _entry_size(path, name, path / INFO)
+    for relative, size in needed.items():
+        if sizes[relative] < size:
+            raise CheckpointError(
+                f"checkpoint file {path / relative} is truncated: {sizes[relative]} bytes, the "
+                f"metadata needs {size}; resume from an earlier checkpoint"
+            )
+        if recorded is not None and relative not in recorded:
+            raise CheckpointError(
+                f"checkpoint file {path / relative} is covered by none of the checksums that "
+                f"{path / INFO} recorded when the checkpoint was written: its metadata was "
+                "altered to read a file the save did not write; resume from an earlier "
+                "checkpoint")
     if recorded is None:
         return  # written before checksums were recorded: lengths are all there is to check
     for relative in checksum_share(recorded, rank, world_size):
-        file = path / relative
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint file {file} is missing")
-        if checksum(file) != recorded[relative]:
+        if checksum(path / relative) != recorded[relative]:
             raise CheckpointError(
-                f"checkpoint file {file} does not match the checksum recorded when the "
-                "checkpoint was written: its contents changed (a disk or copy error); "
+                f"checkpoint file {path / relative} does not match the checksum recorded when "
+                "the checkpoint was written: its contents changed (a disk or copy error); "
                 "resume from an earlier checkpoint"
             )
+
+
+def _entry_size(path: Path, name: Any, source: Path) -> int:
+    """The size of the regular file ``name`` that ``source`` names in the checkpoint ``path``.
+
+    Raises:
+        CheckpointError: if ``name`` is not a plain file name (it would reach outside the
+            checkpoint), or the entry is missing, a symbolic link or not a regular file.
+    """
+    problem = component_problem(name)
+    if problem is not None:
+        raise CheckpointError(
+            f"{source} names the file {name!r}, which {problem}: a checkpoint reads only files "
+            "directly inside its own directory. The checkpoint was altered or crafted; do not "
+            "use it")
+    file = path / name
+    try:
+        entry = file.lstat()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {file} is missing") from None
+    if stat.S_ISLNK(entry.st_mode):
+        raise CheckpointError(
+            f"checkpoint file {file} is a symbolic link (to {os.readlink(file)}): a checkpoint "
+            "reads only regular files inside its directory. Replace the link with the file "
+            "itself (cp -L), if you trust it")
+    if not stat.S_ISREG(entry.st_mode):
+        raise CheckpointError(f"checkpoint file {file} is not a regular file")
+    return entry.st_size

@@ -4,6 +4,7 @@ Hugging Face layout."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import sys
@@ -26,9 +27,16 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                     "--format safetensors: <out_dir>/<model>.safetensors with the trainer's "
                     "keys, for a plain nn.Module. --format hf: the Hugging Face layout "
                     "(model.safetensors, or shards and model.safetensors.index.json) in "
-                    "out_dir, or in out_dir/<model>/ for a checkpoint of several models.")
+                    "out_dir, or in out_dir/<model>/ for a checkpoint of several models. "
+                    "Everything is written inside out_dir, which must be empty unless "
+                    "--overwrite is given.")
     parser.add_argument("checkpoint", type=Path, help="a step_<N> checkpoint directory")
-    parser.add_argument("out_dir", type=Path, help="where to write the weights")
+    parser.add_argument("out_dir", type=Path,
+                        help="where to write the weights (created if missing; must be empty "
+                             "unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="export into a non-empty out_dir: the weight files of an earlier "
+                             "export there are replaced, other files kept")
     parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
                         help="one file per model (default) or the Hugging Face layout")
     parser.add_argument("--dtype", choices=tuple(DTYPES),
@@ -40,9 +48,10 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                         help="path/to/script.py:NAME or package.module:NAME: with --format hf, "
                              "keys are renamed by that trainer's map_exported_key")
     parser.add_argument("--config-from", type=Path, metavar="DIR",
-                        help="with --format hf, copy the files of DIR that are not weights "
-                             "(config.json, tokenizer files) next to the exported weights, "
-                             "e.g. the pretrained directory the run started from")
+                        help="with --format hf, copy the regular files of DIR that are not "
+                             "weights (config.json, tokenizer files) next to the exported "
+                             "weights, e.g. the pretrained directory the run started from; "
+                             "symbolic links are skipped, never followed")
     parser.set_defaults(run=run, takes_overrides=False)
     return parser
 
@@ -86,19 +95,34 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         written = export_checkpoint(
             args.checkpoint, args.out_dir, format=args.format,
             dtype=getattr(torch, DTYPES[args.dtype]) if args.dtype else None, map_key=map_key,
-            max_shard_bytes=args.max_shard_size or DEFAULT_MAX_SHARD_BYTES)
-    except (CheckpointError, ValueError) as exc:
+            max_shard_bytes=args.max_shard_size or DEFAULT_MAX_SHARD_BYTES,
+            overwrite=args.overwrite)
+        for path in written.values():
+            if args.config_from is not None:
+                _copy_config(args.config_from, path)
+    except (CheckpointError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     for model, path in written.items():
-        if args.config_from is not None:
-            _copy_config(args.config_from, path)
         print(f"{model}: {path}")
     return 0
 
 
 def _copy_config(source: Path, target: Path) -> None:
+    """Copy the regular files of ``source`` that are not weights into ``target``.
+
+    A link is skipped, with a message: it may lead out of ``source`` (to a private file),
+    and what it points to is not what the user named. A link in ``target`` is replaced, not
+    written through.
+    """
     for file in sorted(source.iterdir()):
-        if file.is_file() and not file.name.endswith(_WEIGHT_SUFFIXES) \
-                and not file.name.endswith(".index.json"):
-            shutil.copy2(file, target / file.name)
+        if file.name.endswith(_WEIGHT_SUFFIXES) or file.name.endswith(".index.json"):
+            continue
+        if file.is_symlink():
+            print(f"skipped {file}: it is a symbolic link (to {os.readlink(file)}); "
+                  "--config-from copies only regular files, copy the file it points to "
+                  "yourself if you trust it", file=sys.stderr)
+        elif file.is_file():
+            copy = target / file.name
+            copy.unlink(missing_ok=True)
+            shutil.copy2(file, copy)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -18,6 +18,7 @@ from dream_trainer.errors import StopTraining
 from dream_trainer.trainer.callback_collection import CallbackCollection
 from dream_trainer.trainer.hooks import TrainerHooks
 from dream_trainer.trainer.phases import chain_base, run_phase_to_the_end
+from dream_trainer.utils.paths import component_problem
 from dream_trainer.world.world import DistributedWorld
 
 __all__ = ["AbstractTrainer", "AbstractTrainerConfig", "StopTraining"]
@@ -36,9 +37,33 @@ class AbstractTrainerConfig(ConfigModel):
     experiment: str = Field(min_length=1)
     """This run's name within the group."""
     seed: int | None = 42
-    """Seed for python, numpy and torch on every rank; ``None`` leaves them unseeded."""
+    """Seed for python, numpy and torch on every rank, from -2**63 to 2**63 - 1; ``None``
+    leaves them unseeded."""
     device_parameters: DeviceParameters = Field(default_factory=DeviceParameters)
     """Mesh, precision and device; by default data parallel over every launched rank."""
+
+    @field_validator("project", "group", "experiment")
+    @classmethod
+    def _one_directory_name(cls, name: str, info: ValidationInfo) -> str:
+        # Each name is one directory of <root>/<project>/<group>/<experiment>: an absolute
+        # name or ".." would put the run's checkpoints and logs outside the root.
+        problem = component_problem(name)
+        if problem is not None:
+            raise ValueError(
+                f"{info.field_name}={name!r} {problem}: it names one directory of the run's "
+                "path <root_dir>/<project>/<group>/<experiment>, so it must be a plain name "
+                "without '/', '\\', NUL, '.' or '..'; choose the directory with root_dir")
+        return name
+
+    @field_validator("seed")
+    @classmethod
+    def _seedable(cls, seed: int | None) -> int | None:
+        # torch takes seeds of 64 bits; a sampler seeds torch with seed + epoch, so the
+        # signed range leaves room above it.
+        if seed is not None and not -2**63 <= seed < 2**63:
+            raise ValueError(f"seed={seed} is outside the range every generator accepts, "
+                             "-2**63 to 2**63 - 1: choose a seed in it")
+        return seed
 
     def run_dir(self, root: str | Path) -> Path:
         """``<root>/<project>/<group>/<experiment>``: where this run keeps its files under

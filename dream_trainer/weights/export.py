@@ -3,7 +3,6 @@ Hugging Face layout."""
 
 from __future__ import annotations
 
-import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -11,19 +10,21 @@ from typing import Any
 
 import torch
 
-from dream_trainer.checkpoint.layout import (MODEL_PREFIX, CheckpointError, is_complete,
-                                             verify_files)
+from dream_trainer.checkpoint.layout import (METADATA, MODEL_PREFIX, CheckpointError,
+                                             is_complete, verify_files)
 from dream_trainer.checkpoint.trust import safe_reader
-from dream_trainer.weights.hf import (DEFAULT_MAX_SHARD_BYTES, ExportFormat, exported_names,
-                                      plan_shards, replace_weights, shard_file_names,
-                                      write_index)
+from dream_trainer.utils.paths import component_problem
+from dream_trainer.weights.hf import (DEFAULT_MAX_SHARD_BYTES, ExportFormat, check_out_dir,
+                                      export_paths, exported_names, plan_shards,
+                                      replace_weights, shard_file_names, write_index)
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
                       format: ExportFormat = "safetensors", dtype: torch.dtype | None = None,
                       map_key: Callable[[str, str], str | None] | None = None,
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict[str, Path]:
-    """Write the weights of every model in ``checkpoint`` as safetensors.
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                      overwrite: bool = False) -> dict[str, Path]:
+    """Write the weights of every model in ``checkpoint`` as safetensors, inside ``out_dir``.
 
     ``"safetensors"`` writes ``<out_dir>/<model>.safetensors`` with the model's own keys.
     ``"hf"`` writes the Hugging Face layout: ``model.safetensors``, or shards of at most
@@ -34,19 +35,23 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
 
     Args:
         checkpoint: A complete ``step_<N>`` checkpoint directory.
-        out_dir: Where to write; created when missing. Old weight files there are replaced
-            once the new ones are written.
+        out_dir: Where to write; created when missing. It must be empty unless
+            ``overwrite`` is set.
         format: ``"safetensors"`` or ``"hf"``.
         dtype: Cast floating tensors to it (``torch.bfloat16``); None keeps the saved dtype.
         map_key: ``(model name, key) -> exported key`` (None leaves the key out); ``"hf"``
             only. ``trainer.map_exported_key`` is the usual one.
         max_shard_bytes: Largest shard of an ``"hf"`` export.
+        overwrite: Export into a non-empty ``out_dir``: the weight files of an earlier export
+            there are replaced once the new ones are written; other files stay.
 
     Returns:
         The written file (``"safetensors"``) or directory (``"hf"``) of each model.
 
     Raises:
-        CheckpointError: if the checkpoint is incomplete or damaged, or holds no weights.
+        CheckpointError: if the checkpoint is incomplete or damaged, holds no weights, or
+            names a model that is not a plain file name.
+        FileExistsError: if ``out_dir`` is not empty and ``overwrite`` is False.
         ValueError: for an unknown format, or two keys mapped to the same name.
     """
     if format not in ("hf", "safetensors"):
@@ -55,23 +60,32 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if not is_complete(checkpoint):
         raise CheckpointError(f"{checkpoint} is not a complete dream_trainer checkpoint")
+    check_out_dir(out_dir, overwrite)  # before the checksums, which may take minutes
     reader = safe_reader(str(checkpoint))
     metadata = reader.read_metadata()
     verify_files(checkpoint, metadata)
     models = model_tensors(metadata)
     if not models:
         raise CheckpointError(f"{checkpoint} holds no model weights")
+    for model in models:
+        # Each name becomes a file or directory name in out_dir.
+        problem = component_problem(model)
+        if problem is not None:
+            raise CheckpointError(
+                f"{checkpoint / METADATA} names the model {model!r}, which {problem}: an "
+                "export writes each model to a file named after it, inside OUT_DIR. The "
+                "checkpoint was altered or crafted; nothing was written")
     written = {}
     for model, tensors in models.items():
+        target, staging = export_paths(out_dir, model, format, several=len(models) > 1,
+                                       make_room=True)
         if format == "safetensors":
-            target = out_dir / f"{model}.safetensors"
-            partial = out_dir / f".{target.name}.partial"
             _write_file(reader, model, {name: name for name in tensors}, tensors, dtype,
-                        partial)
-            partial.replace(target)  # a failed write leaves the old file whole
+                        staging / target.name)
+            (staging / target.name).replace(target)  # a failed write leaves the old file whole
+            staging.rmdir()
         else:
-            target = out_dir if len(models) == 1 else out_dir / model
-            _write_hf(reader, model, tensors, dtype, map_key, max_shard_bytes, target)
+            _write_hf(reader, model, tensors, dtype, map_key, max_shard_bytes, target, staging)
         written[model] = target
     return written
 
@@ -91,13 +105,10 @@ def model_tensors(metadata: Any) -> dict[str, dict[str, Any]]:
 
 def _write_hf(reader: Any, model: str, tensors: dict[str, Any], dtype: torch.dtype | None,
               map_key: Callable[[str, str], str | None] | None, max_shard_bytes: int,
-              target: Path) -> None:
+              target: Path, staging: Path) -> None:
     renamed = exported_names(model, tensors, map_key)  # exported key -> checkpoint key
     sizes = {key: _exported_bytes(tensors[name], dtype) for key, name in renamed.items()}
     shards = plan_shards(sizes, max_shard_bytes)
-    staging = target.parent / f".{target.name}.partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
     for keys, file_name in zip(shards, shard_file_names(len(shards))):
         _write_file(reader, model, {key: renamed[key] for key in keys}, tensors, dtype,
                     staging / file_name)

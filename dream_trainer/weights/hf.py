@@ -9,6 +9,7 @@ consolidates them into full tensors (the ranks need a shared filesystem, as chec
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import shutil
@@ -51,17 +52,11 @@ def check_hf_dir(path: Path) -> None:
     so a leftover file (an older export's shard) would be read as part of the weights.
 
     Raises:
-        CheckpointError: naming the missing shard or the stray file.
+        CheckpointError: naming the index that is not one, the missing shard or the stray
+            file.
     """
     present = {file.name for file in path.glob("*.safetensors")}
-    if not (path / INDEX).is_file():
-        expected = {WEIGHTS}
-    else:
-        try:
-            expected = set(json.loads((path / INDEX).read_text())["weight_map"].values())
-        except (ValueError, KeyError, AttributeError) as exc:
-            raise CheckpointError(f"{path / INDEX} is not a safetensors index (a JSON object "
-                                  f"with a weight_map): {exc}") from exc
+    expected = _indexed_files(path / INDEX) if (path / INDEX).is_file() else {WEIGHTS}
     missing = sorted(expected - present)
     if missing:
         raise CheckpointError(f"{path} lacks the weight files {', '.join(missing)} that "
@@ -71,6 +66,27 @@ def check_hf_dir(path: Path) -> None:
         raise CheckpointError(f"{path} holds weight files that are not part of its "
                               f"{'index' if (path / INDEX).is_file() else WEIGHTS}: "
                               f"{', '.join(stray)}; move them elsewhere")
+
+
+def _indexed_files(index: Path) -> set[str]:
+    """The weight files a ``model.safetensors.index.json`` maps keys to.
+
+    Raises:
+        CheckpointError: naming the file, if it is not such an index.
+    """
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON or UTF-8
+        raise CheckpointError(f"{index} cannot be read as a safetensors index: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not (isinstance(weight_map, dict)
+            and all(isinstance(file, str) for file in weight_map.values())):
+        raise CheckpointError(
+            f"{index} is not a safetensors index: it must be a JSON object whose "
+            '"weight_map" maps each key to its file; fix the file, or delete it if the '
+            "directory holds one model.safetensors")
+    return set(weight_map.values())
 
 
 def shard_file_names(count: int, stem: str = "model") -> list[str]:
@@ -167,34 +183,35 @@ def exported_names(model: str, keys: Iterable[str],
 
 
 def export_live(models: Mapping[str, nn.Module], path: Path, format: ExportFormat,
-                map_key: KeyMap | None, dtype: torch.dtype | None,
-                max_shard_bytes: int) -> dict[str, Path]:
+                map_key: KeyMap | None, dtype: torch.dtype | None, max_shard_bytes: int,
+                overwrite: bool = False) -> dict[str, Path]:
     """Write every model's weights from a running trainer (collective); see
     ``SetupMixin.export_weights`` for the layout.
 
     Returns:
         What was written for each model: its Hugging Face directory, or its file.
+
+    Raises:
+        FileExistsError: on every rank, if ``path`` is not empty and ``overwrite`` is False.
     """
     from torch.distributed.checkpoint import HuggingFaceStorageWriter, save
 
     if format not in ("hf", "safetensors"):
         raise ValueError(f"format={format!r}: expected 'hf' (Hugging Face layout) or "
                          "'safetensors' (one file per model, the trainer's keys)")
+    _check_out_dir_on_rank_zero(path, overwrite)
     written = {}
     for name, model in models.items():
         state = exported_state(name, model, map_key if format == "hf" else None, dtype)
+        target, staging = export_paths(path, name, format, several=len(models) > 1,
+                                       make_room=_is_rank_zero())
         if format == "hf":
-            target = path if len(models) == 1 else path / name
             # Every rank plans the same shards: under a pipeline each holds other keys.
             sizes = _on_every_rank({key: tensor.numel() * tensor.element_size()
                                     for key, tensor in state.items()})
             shards = plan_shards(sizes, max_shard_bytes)
         else:
-            target = path / f"{name}.safetensors"
             shards = [list(state)]
-        staging = target.parent / f".{target.name}.partial"
-        if _is_rank_zero():
-            shutil.rmtree(staging, ignore_errors=True)
         _barrier()
         writer = HuggingFaceStorageWriter(
             str(staging), save_distributed=True, enable_consolidation=True,
@@ -212,13 +229,64 @@ def export_live(models: Mapping[str, nn.Module], path: Path, format: ExportForma
     return written
 
 
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuse to export into ``out_dir`` unless it is new or empty, or ``overwrite`` is set.
+
+    Raises:
+        FileExistsError: naming the directory, what it holds, and the fix.
+    """
+    if not (out_dir.exists() or out_dir.is_symlink()):
+        return
+    if not out_dir.is_dir():
+        raise FileExistsError(f"export target {out_dir} exists and is not a directory: name a "
+                              "directory (it is created if missing)")
+    held = sorted(entry.name for entry in itertools.islice(out_dir.iterdir(), 4))
+    if held and not overwrite:
+        raise FileExistsError(
+            f"export target {out_dir} is not empty (it holds {', '.join(held[:3])}"
+            f"{', ...' if len(held) > 3 else ''}): choose a new or empty directory, or pass "
+            "overwrite=True (--overwrite on the command line) to replace the weight files of "
+            "an earlier export there (other files stay, nothing outside it is touched)")
+
+
+def export_paths(out_dir: Path, model: str, format: ExportFormat, several: bool,
+                 make_room: bool) -> tuple[Path, Path]:
+    """Where ``model`` is exported (its file, or its Hugging Face directory: ``out_dir``
+    itself unless there are ``several`` models) and the staging directory it is written in
+    first; both inside ``out_dir``.
+
+    Args:
+        make_room: Remove what is in the way: the staging a failed export left, and a link
+            or file where the model's directory goes (a link is removed, never followed out
+            of ``out_dir``). A model's file is replaced by a rename, which never follows one.
+    """
+    if format == "safetensors":
+        target = out_dir / f"{model}.safetensors"
+    else:
+        target = out_dir / model if several else out_dir
+    staging = out_dir / f".{model}.partial"
+    if make_room:
+        clear(staging)
+        if target != out_dir and format == "hf" and (target.is_symlink()
+                                                    or not target.is_dir()):
+            clear(target)
+    return target, staging
+
+
+def clear(path: Path) -> None:
+    """Remove the file, link or directory tree at ``path``; a link is removed, not followed."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
 def _publish(staging: Path, target: Path, count: int, model: nn.Module | None) -> None:
     """Give the consolidated files their final names and move them to ``target``; a
     directory target keeps its other files (a tokenizer) but loses its old weight files."""
     shutil.rmtree(staging / "sharded")
     produced = sorted(staging.glob("*.safetensors"))
-    if model is None:  # one file per model
-        target.unlink(missing_ok=True)
+    if model is None:  # one file per model: a rename replaces a link without following it
         produced[0].replace(target)
         shutil.rmtree(staging)
         return
@@ -243,7 +311,8 @@ def replace_weights(staging: Path, target: Path) -> None:
 
     The weights are written completely elsewhere first, so a failed export leaves the old
     ones intact; the old weight files of ``target`` go only once the new ones exist, while
-    its other files (a tokenizer, a config) stay.
+    its other files (a tokenizer, a config) stay. Entries are unlinked and renamed, so a
+    link in ``target`` is replaced, never written through.
     """
     target.mkdir(parents=True, exist_ok=True)
     for old in [*target.glob("*.safetensors"), target / INDEX]:
@@ -251,6 +320,22 @@ def replace_weights(staging: Path, target: Path) -> None:
     for file in staging.iterdir():
         file.replace(target / file.name)
     staging.rmdir()
+
+
+def _check_out_dir_on_rank_zero(out_dir: Path, overwrite: bool) -> None:
+    """``check_out_dir`` on rank 0, raised on every rank (collective), before any write."""
+    problem = None
+    if _is_rank_zero():
+        try:
+            check_out_dir(out_dir, overwrite)
+        except FileExistsError as exc:
+            problem = str(exc)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        shared = [problem]
+        dist.broadcast_object_list(shared, src=0)
+        problem = shared[0]
+    if problem is not None:
+        raise FileExistsError(problem)
 
 
 def _is_rank_zero() -> bool:
