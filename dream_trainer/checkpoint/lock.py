@@ -1,7 +1,10 @@
-"""One run at a time per experiment: a lock file in its checkpoint directory."""
+"""One run at a time per experiment: an OS lock on a file in its checkpoint directory, and a
+record in that file naming the run that holds it."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -15,6 +18,36 @@ from dream_trainer.checkpoint.layout import CheckpointError
 logger = logging.getLogger(__name__)
 
 LOCK = ".lock"
+TAKEOVER = ".lock.takeover"
+
+# Errors of flock() on a filesystem that has no locks (NFS mounted without lockd, Lustre
+# without its flock option): the record alone then decides.
+_NO_OS_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+# A winner writes its record right after taking the OS lock: a loser reading the file in
+# that moment sees the dead holder's record (or none), so it reads again for a while.
+_RECORD_WAIT_S = 2.0
+
+# The descriptors whose OS lock this process holds. A forked child (a DataLoader worker)
+# shares the open file and would keep the lock after the run died; it closes its copies.
+_HELD: set[int] = set()
+
+
+def _close_inherited() -> None:
+    for descriptor in _HELD:
+        os.close(descriptor)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited)
+
+# Each field of a record, with the types a valid one holds. Records of versions before the
+# OS lock lack the last two: they read as unknown.
+_FIELDS: dict[str, tuple[type, ...]] = {
+    "host": (str,), "pid": (int,), "started": (str,), "process_start": (int, type(None)),
+    "launcher_pid": (int,), "boot_id": (str, type(None)), "pid_namespace": (str, type(None)),
+}
+_ADDED = ("boot_id", "pid_namespace")
 
 
 @dataclass(frozen=True)
@@ -23,7 +56,8 @@ class LockHolder:
 
     ``launcher_pid`` is the process that started it (torchrun's agent, or a shell): workers
     that torchrun restarts have the same one, which is how a restart of the same run is told
-    from another run.
+    from another run. ``boot_id`` names the running kernel and ``pid_namespace`` the set of
+    process ids ``pid`` belongs to (a container has its own).
     """
 
     host: str
@@ -31,19 +65,63 @@ class LockHolder:
     started: str
     process_start: int | None
     launcher_pid: int
+    boot_id: str | None
+    pid_namespace: str | None
 
     @classmethod
     def this_process(cls) -> LockHolder:
         return cls(socket.gethostname(), os.getpid(),
                    time.strftime("%Y-%m-%d %H:%M:%S %z"), _process_start(os.getpid()),
-                   os.getppid())
+                   os.getppid(), _boot_id(), _pid_namespace())
+
+    @classmethod
+    def parse(cls, text: str) -> LockHolder:
+        """The holder a lock file's text names.
+
+        Raises:
+            ValueError: naming what is wrong (not JSON, a missing field, a field's type).
+        """
+        record = json.loads(text)
+        if not isinstance(record, dict):
+            raise ValueError(f"expected a JSON object, found {type(record).__name__}")
+        for name, types in _FIELDS.items():
+            if name not in record and name not in _ADDED:
+                raise ValueError(f"field {name!r} is missing")
+            value = record.get(name)
+            # bool is an int to isinstance, but never a pid.
+            if not isinstance(value, types) or isinstance(value, bool):
+                raise ValueError(f"field {name!r} is {value!r}, not of type "
+                                 + " or ".join(t.__name__ for t in types))
+        return cls(**{name: record.get(name) for name in _FIELDS})
 
     def describe(self) -> str:
         return f"pid {self.pid} on host {self.host}, started {self.started}"
 
-    def is_alive(self) -> bool | None:
-        """Whether the holder still runs; None when that cannot be told (another host)."""
-        if self.host != socket.gethostname():
+    def same_kernel(self, other: LockHolder) -> bool:
+        """Whether both run on one kernel (one boot of one machine, any container of it)."""
+        if self.boot_id is not None and other.boot_id is not None:
+            return self.boot_id == other.boot_id
+        return self.host == other.host
+
+    def same_launcher(self, other: LockHolder) -> bool:
+        """Whether both were started by one process: workers of one torchrun agent."""
+        return self.same_kernel(other) and self.pid_namespace == other.pid_namespace \
+            and self.launcher_pid == other.launcher_pid
+
+    def unverifiable(self, observer: LockHolder) -> str | None:
+        """Why ``observer`` cannot tell from the pid whether this holder runs, or None."""
+        if not self.same_kernel(observer):
+            return "on another host" if self.host != observer.host else (
+                "on another kernel with this host name (another machine, or this one before "
+                "a restart)")
+        if self.pid_namespace != observer.pid_namespace:
+            return "in another PID namespace (another container) on this machine"
+        return None
+
+    def is_alive(self, observer: LockHolder) -> bool | None:
+        """Whether the holder still runs, judged from its pid; None when ``observer`` cannot
+        tell (see ``unverifiable``)."""
+        if self.unverifiable(observer) is not None:
             return None
         try:
             os.kill(self.pid, 0)
@@ -59,11 +137,19 @@ class LockHolder:
 class RunLock:
     """An exclusive claim by one run on an experiment's checkpoint directory.
 
-    ``acquire()`` creates ``<directory>/.lock`` naming this process (host, pid, start time). A
-    lock held by a live process is refused with an error naming it; a lock whose holder is
-    dead on this host is taken over, with a warning unless the holder was an earlier worker
-    of the same torchrun agent (a restart of this very run). A holder on another host cannot
-    be checked, so its lock is refused: remove the file once that run is known to be gone.
+    ``acquire()`` takes an OS lock (``flock``) on ``<directory>/.lock``, held until
+    ``release()`` or the process's death, and writes into the file who holds it (host, pid,
+    start time, kernel boot id, PID namespace). A lock whose OS lock another process holds is
+    refused with an error naming the holder. A free OS lock whose record names a process on
+    this kernel means that process is dead: its lock is taken over, with a warning unless it
+    was an earlier worker of the same torchrun agent (a restart of this very run). A holder on
+    another kernel cannot be checked (the filesystem may not share locks between machines),
+    so its lock is refused: remove the file once that run is known to be gone.
+
+    Where the filesystem has no OS locks, the record decides alone: a holder is dead when its
+    pid is gone from this machine's PID namespace, a holder in another namespace or on
+    another kernel is refused, and a takeover goes through the exclusive creation of
+    ``.lock.takeover``, so that of several runs taking over one dead lock exactly one wins.
 
     Args:
         directory: The experiment's checkpoint directory.
@@ -73,85 +159,229 @@ class RunLock:
         self.path = directory / LOCK
         self.holder = LockHolder.this_process()
         self.held = False
+        self._descriptor: int | None = None
 
     def acquire(self) -> None:
         """Take the lock.
 
         Raises:
-            CheckpointError: naming the holder, if another live run (or a run on another
-                host) holds it.
+            CheckpointError: naming the holder, if another live run (or a run that cannot be
+                checked from here) holds it; naming the file, if its directory is not
+                writable or, without OS locks, its record is unreadable.
         """
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if self._create():
-                return
+            while not self.held:
+                self._attempt()
         except OSError as exc:
             # Found at setup, not after hours of training at the first save.
             raise CheckpointError(
                 f"cannot write to the checkpoint directory {self.path.parent}: "
                 f"{type(exc).__name__}: {exc}; give it a writable root_dir"
             ) from exc
-        current = self._read()
-        if current is not None:
-            alive = current.is_alive()
-            if alive is not False:
-                where = "" if alive else (" (on another host, so whether it still runs cannot "
-                                          "be checked from here)")
-                raise CheckpointError(
-                    f"another run holds the lock on {self.path.parent}: {current.describe()}"
-                    f"{where}. Two runs writing one experiment's checkpoints would delete and "
-                    "resume each other's: stop that run (under torchrun, its workers too: "
-                    "killing torchrun alone leaves them running), use another experiment name "
-                    f"or root_dir, or remove {self.path} if that run is gone"
-                )
-            if current.launcher_pid == self.holder.launcher_pid \
-                    and current.host == self.holder.host:
-                logger.info("taking over the lock of an earlier worker of this run (%s)",
-                            current.describe())
-            else:
-                logger.warning("taking over the lock on %s from a run that is no longer "
-                               "running (%s)", self.path.parent, current.describe())
-        self._write()
 
     def release(self) -> None:
-        """Remove the lock file if this run still holds it."""
+        """Remove the lock file if this run still holds it, and free the OS lock."""
         if not self.held:
             return
         self.held = False
-        current = self._read()
-        if current is not None and (current.host, current.pid) == (self.holder.host,
-                                                                    self.holder.pid):
-            self.path.unlink(missing_ok=True)
-
-    def _create(self) -> bool:
+        descriptor, self._descriptor = self._descriptor, None
+        if descriptor is None:
+            if self._wait_for_record(live=False) == self.holder:
+                self.path.unlink(missing_ok=True)
+            return
+        if descriptor not in _HELD:
+            return  # a forked child: the lock is its parent's
+        _HELD.discard(descriptor)
         try:
-            descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            # The path names another file if the user removed ours and another run then
+            # created its own: that one stays.
+            if _names(self.path, descriptor):
+                self.path.unlink()
+        finally:
+            os.close(descriptor)
+
+    def _attempt(self) -> None:
+        """One try: hold the lock, raise, or return without it when the file vanished
+        meanwhile (its holder released it), to try again."""
+        try:
+            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            created = True
         except FileExistsError:
-            return False
-        with os.fdopen(descriptor, "w") as file:
-            json.dump(asdict(self.holder), file)
-        self.held = True
-        return True
-
-    def _write(self) -> None:
-        temporary = self.path.with_name(f"{LOCK}.{self.holder.pid}")
-        temporary.write_text(json.dumps(asdict(self.holder)))
-        os.replace(temporary, self.path)
-        # Two runs taking over one dead lock at once: the rename that came last wins.
-        winner = self._read()
-        if winner != self.holder:
-            raise CheckpointError(f"another run took the lock on {self.path.parent} at the "
-                                  f"same moment: {winner.describe() if winner else 'unknown'}")
-        self.held = True
-
-    def _read(self) -> LockHolder | None:
+            try:
+                descriptor, created = os.open(self.path, os.O_RDWR), False
+            except FileNotFoundError:
+                return
         try:
-            return LockHolder(**json.loads(self.path.read_text()))
-        except FileNotFoundError:
-            return None
-        except (ValueError, TypeError) as exc:
-            logger.warning("ignoring an unreadable lock file %s: %s", self.path, exc)
-            return None
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(descriptor)
+            if isinstance(exc, BlockingIOError):
+                current = self._wait_for_record(live=True)
+                dead = isinstance(current, LockHolder) and current.is_alive(self.holder) is False
+                raise self._refusal(current, "it is no longer running, but a process it started "
+                                    "still holds the file's OS lock" if dead else None) from None
+            if exc.errno not in _NO_OS_LOCKS:
+                raise
+            logger.warning("the filesystem of %s has no file locks (%s): the run lock relies "
+                           "on its record alone", self.path.parent, exc)
+            if created:
+                self.path.write_text(json.dumps(asdict(self.holder)))
+                self.held = True
+            else:
+                self._take_over_by_record()
+            return
+        try:
+            # A holder releasing removes the file, then unlocks it: a lock taken on the
+            # removed file excludes no one.
+            if _names(self.path, descriptor):
+                self._take_over(_read(descriptor))
+                _write(descriptor, self.holder)
+                self._descriptor = descriptor
+                _HELD.add(descriptor)
+                self.held = True
+        finally:
+            if not self.held:
+                os.close(descriptor)
+
+    # -- with OS locks ------------------------------------------------------------------------
+    def _take_over(self, text: str) -> None:
+        """Decide on the record of a lock whose OS lock is now ours: no live process on this
+        kernel holds it, but a holder on another kernel cannot be ruled out."""
+        if not text:
+            return
+        try:
+            current = LockHolder.parse(text)
+        except ValueError as exc:
+            logger.warning("taking over the lock on %s, whose record %s is unreadable (%s) "
+                           "and which no process on this machine holds", self.path.parent,
+                           self.path, exc)
+            return
+        if not current.same_kernel(self.holder):
+            raise self._refusal(current, self._unchecked(current))
+        self._log_takeover(current)
+
+    # -- without OS locks ---------------------------------------------------------------------
+    def _take_over_by_record(self) -> None:
+        """Take over the lock if its record names a dead process, through the exclusive
+        creation of a marker; return without it if the file vanished meanwhile."""
+        current = self._wait_for_record(live=False)
+        if current is None:
+            return
+        if isinstance(current, str):
+            raise CheckpointError(
+                f"{current}, and this filesystem has no file locks to tell whether a run "
+                f"holds it: remove it once no run writes to {self.path.parent}")
+        alive = current.is_alive(self.holder)
+        if alive is not False:
+            raise self._refusal(current, None if alive else self._unchecked(current))
+        marker = self.path.with_name(TAKEOVER)
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            raise CheckpointError(
+                f"another run is taking over the lock on {self.path.parent} at this moment "
+                f"(from {current.describe()}); if none is, remove {marker}"
+            ) from None
+        try:
+            # Only the run that created the marker may replace the record, and only the
+            # record it judged dead: a run that came first has replaced it already.
+            now = self._wait_for_record(live=False)
+            if now != current:
+                raise self._refusal(now or "its record is gone (its holder released it)")
+            self._log_takeover(current)
+            temporary = self.path.with_name(f"{LOCK}.{self.holder.pid}")
+            temporary.write_text(json.dumps(asdict(self.holder)))
+            os.replace(temporary, self.path)
+        finally:
+            marker.unlink()
+        self.held = True
+
+    def _wait_for_record(self, live: bool) -> LockHolder | str | None:
+        """The holder the lock file names, why its record is unreadable, or None without a
+        file. A record is read again for a while if unreadable (a holder writing it), and
+        with ``live`` while it names a dead process (the holder took it over a moment ago)."""
+        deadline = time.monotonic() + _RECORD_WAIT_S
+        while True:
+            try:
+                current: LockHolder | str | None = LockHolder.parse(self.path.read_text())
+            except FileNotFoundError:
+                current = None
+            except ValueError as exc:
+                current = f"the lock file {self.path} is unreadable ({exc})"
+            settled = not isinstance(current, str) and not (
+                live and isinstance(current, LockHolder)
+                and current.is_alive(self.holder) is False)
+            if settled or time.monotonic() > deadline:
+                return current
+            time.sleep(0.02)
+
+    # -- both ---------------------------------------------------------------------------------
+    def _log_takeover(self, current: LockHolder) -> None:
+        if current.same_launcher(self.holder):
+            logger.info("taking over the lock of an earlier worker of this run (%s)",
+                        current.describe())
+        else:
+            logger.warning("taking over the lock on %s from a run that is no longer "
+                           "running (%s)", self.path.parent, current.describe())
+
+    def _unchecked(self, current: LockHolder) -> str:
+        return f"{current.unverifiable(self.holder)}, so whether it still runs cannot be " \
+               "checked from here"
+
+    def _refusal(self, current: LockHolder | str | None,
+                 note: str | None = None) -> CheckpointError:
+        if current is None:
+            holder = "its record is gone (its holder was releasing it)"
+        elif isinstance(current, str):
+            holder = current
+        else:
+            holder = current.describe()
+        return CheckpointError(
+            f"another run holds the lock on {self.path.parent}: {holder}"
+            f"{'' if note is None else f' ({note})'}. Two runs "
+            "writing one experiment's checkpoints would delete and resume each other's: stop "
+            "that run (under torchrun, its workers too: killing torchrun alone leaves them "
+            f"running), use another experiment name or root_dir, or remove {self.path} if that "
+            "run is gone"
+        )
+
+
+def _names(path: Path, descriptor: int) -> bool:
+    """Whether ``path`` is the file open as ``descriptor``."""
+    try:
+        return os.path.samestat(os.fstat(descriptor), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _read(descriptor: int) -> str:
+    """The whole text of the file open as ``descriptor``, without moving or closing it (a
+    second open and close is harmless to ``flock``, but not to the POSIX locks NFS maps it
+    to)."""
+    return os.pread(descriptor, os.fstat(descriptor).st_size, 0).decode(errors="replace")
+
+
+def _write(descriptor: int, holder: LockHolder) -> None:
+    data = json.dumps(asdict(holder)).encode()
+    os.pwrite(descriptor, data, 0)
+    os.ftruncate(descriptor, len(data))
+
+
+def _boot_id() -> str | None:
+    """This boot of this machine's kernel (Linux); None where unknown."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _pid_namespace() -> str | None:
+    """This process's PID namespace, as ``pid:[<inode>]`` (Linux); None where unknown."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def _process_start(pid: int) -> int | None:

@@ -3,16 +3,27 @@ always the newest complete one."""
 
 from __future__ import annotations
 
+import logging
+import math
 import shutil
 from pathlib import Path
 
-from dream_trainer.checkpoint.layout import complete_checkpoints, is_complete, step_dirs
+from dream_trainer.checkpoint.layout import (CheckpointInfo, complete_checkpoints, is_complete,
+                                             step_dirs)
 from dream_trainer.configs.checkpoint import CheckpointParameters
+
+logger = logging.getLogger(__name__)
+
+# The checkpoint directories whose unscored checkpoints were warned about: once per run.
+_WARNED: set[Path] = set()
 
 
 def rotate(root: Path, params: CheckpointParameters, in_flight: Path | None) -> None:
     """Delete the checkpoints under ``root`` beyond ``keep_top_k``, and incomplete ones older
-    than the newest complete one (but never ``in_flight``, an async save still writing)."""
+    than the newest complete one (but never ``in_flight``, an async save still writing).
+
+    A checkpoint whose ``monitor`` value is NaN or missing ranks below every scored one, in
+    either ``mode``; the first such checkpoint under ``root`` is warned about."""
     infos = complete_checkpoints(root)
     if not infos:
         return
@@ -25,10 +36,33 @@ def rotate(root: Path, params: CheckpointParameters, in_flight: Path | None) -> 
     if params.monitor is None:
         ranked = sorted(infos, key=lambda info: info.step, reverse=True)
     else:
+        _warn_unscored(root, params.monitor, infos)
         sign = 1.0 if params.mode == "min" else -1.0
-        ranked = sorted(infos, key=lambda info: (info.score is None,
-                                                 sign * (info.score or 0.0), -info.step))
+        ranked = sorted(infos, key=lambda info: _rank(info, sign))
     keep = {info.path for info in ranked[: params.keep_top_k]} | {newest.path}
     for info in infos:
         if info.path not in keep:
             shutil.rmtree(info.path, ignore_errors=True)
+
+
+def _unscored(info: CheckpointInfo) -> bool:
+    return info.score is None or math.isnan(info.score)
+
+
+def _rank(info: CheckpointInfo, sign: float) -> tuple[bool, float, int]:
+    """Scored before unscored (NaN compares false with everything, which would leave sorted()
+    in any order), then the best, then the newest."""
+    if info.score is None or math.isnan(info.score):
+        return True, 0.0, -info.step
+    return False, sign * info.score, -info.step
+
+
+def _warn_unscored(root: Path, monitor: str, infos: list[CheckpointInfo]) -> None:
+    unscored = next((info for info in infos if _unscored(info)), None)
+    if unscored is None or root in _WARNED:
+        return
+    _WARNED.add(root)
+    value = "missing" if unscored.score is None else "NaN"
+    logger.warning("checkpoint %s has monitor %r %s: keep_top_k ranks such checkpoints below "
+                   "every checkpoint with a value (warned once per run)", unscored.path,
+                   monitor, value)

@@ -17,10 +17,11 @@ import torch.distributed as dist
 from pydantic import Field
 
 from dream_trainer.checkpoint.agreement import (check_shapes, commit, config_changes, failures,
-                                                find_problem, gather, root_cause, take_lock)
+                                                find_problem, gather, root_cause, saved_config,
+                                                take_lock)
 from dream_trainer.checkpoint.layout import (CONFIG, INFO, METADATA, CheckpointError,
                                              CheckpointInfo, complete_checkpoints, is_complete,
-                                             step_dir)
+                                             step_dir, step_dirs)
 from dream_trainer.checkpoint.lock import RunLock
 from dream_trainer.checkpoint.retention import rotate
 from dream_trainer.checkpoint.rng import resized_streams, set_rng_state
@@ -72,6 +73,10 @@ class CheckpointMixin(AbstractTrainer):
         self._pending_save: tuple[Future[Any], CheckpointInfo] | None = None
         self._last_saved_step: int | None = None
         self._latest_results: dict[str, float] = {}
+        # The result keys of the first training step and the first validation, until the
+        # monitor is found among them (see _check_monitor).
+        self._result_keys: dict[str, set[str]] = {}
+        self._monitor_found = False
         self._pending_rng: dict[str, Any] | None = None
         self._rng_mid_epoch = False
         self._preemption = PreemptionFlag()
@@ -125,6 +130,13 @@ class CheckpointMixin(AbstractTrainer):
             self._restore_rng()
 
     @runs_on("end_of_step")
+    def _note_train_keys(self) -> None:
+        # Before a save at this step. Once per run: the step's results as every rank combined
+        # them (a collective), so that every rank decides alike.
+        if self._monitor_unchecked("training"):
+            self._check_monitor("training", self.reduce_step_result())
+
+    @runs_on("end_of_step")
     def _checkpoint_end_of_step(self) -> None:
         # After every post_train_batch hook, callbacks' included: their state is current.
         enabled = self.checkpoint_parameters.enabled
@@ -147,13 +159,14 @@ class CheckpointMixin(AbstractTrainer):
     def _note_val_results(self, result: dict[str, Any]) -> None:
         if not (self.sanity_checking or self.evaluating):
             self._latest_results.update(result)
+        if not self.evaluating and self._monitor_unchecked("validation"):
+            self._check_monitor("validation", result)
 
     @runs_on("post_epoch", after_bases=True)
     def _checkpoint_post_epoch(self) -> None:
         every = self.checkpoint_parameters.every_n_epochs
         if self.checkpoint_parameters.enabled and every is not None \
                 and (self.current_epoch + 1) % every == 0:
-            self._require_monitor()
             self.save_checkpoint()
 
     @runs_on("post_fit", after_bases=True)
@@ -281,13 +294,33 @@ class CheckpointMixin(AbstractTrainer):
         value = self._latest_results.get(monitor) if monitor else None
         return None if value is None else float(value)
 
-    def _require_monitor(self) -> None:
+    def _monitor_unchecked(self, source: str) -> bool:
+        """Whether ``monitor`` is still to be looked for in ``source``'s first results."""
+        params = self.checkpoint_parameters
+        return params.enabled and params.monitor is not None and not self._monitor_found \
+            and source not in self._result_keys
+
+    def _check_monitor(self, source: str, result: dict[str, Any]) -> None:
+        """Refuse a ``monitor`` no result has, as soon as each source of results has given
+        its first: the first training step and, with validation, the first validation pass
+        (a sanity check's included), not after an epoch with nothing saved.
+
+        Raises:
+            ValueError: naming the key and the keys there are.
+        """
         monitor = self.checkpoint_parameters.monitor
-        if monitor is not None and monitor not in self._latest_results:
-            raise ValueError(
-                f"checkpoint_parameters.monitor={monitor!r} is not produced by any training "
-                f"or validation step; available keys: {sorted(self._latest_results)}"
-            )
+        self._result_keys[source] = set(result)
+        keys = set().union(*self._result_keys.values())
+        self._monitor_found = monitor in keys
+        sources = {"training"} | ({"validation"} if self.val_dataloader is not None else set())
+        if self._monitor_found or set(self._result_keys) != sources:
+            return
+        raise ValueError(
+            f"checkpoint_parameters.monitor={monitor!r} is not produced by any training or "
+            f"validation step; available keys: {sorted(keys)}. Set monitor to one of them "
+            "(a named validation set's keys are '<name>/<key>'), or to None to keep the "
+            "newest checkpoints"
+        )
 
     def _preemption_requested(self) -> bool:
         return self._preemption_agreement.poll()
@@ -300,13 +333,15 @@ class CheckpointMixin(AbstractTrainer):
     def _resume(self) -> None:
         params = self.checkpoint_parameters
         if params.resume is None:
-            earlier = complete_checkpoints(self.checkpoint_dir)
+            # Unreadable checkpoints count too: is_complete reads no file.
+            earlier = [step for step, path in step_dirs(self.checkpoint_dir)
+                       if is_complete(path)]
             if earlier:
                 # Mixing two runs' checkpoints in one directory would let retention delete
                 # the new run's and make resume="latest" pick the old run's.
                 raise CheckpointError(
                     f"{self.checkpoint_dir} already holds checkpoints of an earlier run (up to "
-                    f"step {earlier[-1].step}) and resume=None starts a new one: set "
+                    f"step {earlier[-1]}) and resume=None starts a new one: set "
                     "resume='latest' to continue it, or use another experiment name or root_dir"
                 )
             return
@@ -365,6 +400,8 @@ class CheckpointMixin(AbstractTrainer):
         """Load a checkpoint already verified by ``_verify``."""
         from torch.distributed.checkpoint.api import CheckpointException
 
+        # Read before the state, so that a damaged config.json is reported before a long load.
+        config = self._saved_config(path) if not weights_only else None
         trusted = self.checkpoint_parameters.trusted_globals
         reader = safe_reader(str(path), trusted)
         metadata = reader.read_metadata()
@@ -403,7 +440,7 @@ class CheckpointMixin(AbstractTrainer):
         self._pending_rng = state.loaded_rng
         self._rng_mid_epoch = state.resumed_mid_epoch
         self._last_saved_step = self.global_step
-        self._log_config_diff(path)
+        self._log_config_diff(config)
         logger.info("resumed from %s at global step %d", path, self.global_step)
 
     def _restore_rng(self) -> None:
@@ -411,10 +448,24 @@ class CheckpointMixin(AbstractTrainer):
         set_rng_state(self._pending_rng)
         self._pending_rng = None
 
-    def _log_config_diff(self, path: Path) -> None:
+    def _saved_config(self, path: Path) -> dict[str, Any] | None:
+        """The checkpoint's config on rank 0 (which logs the changes), else None.
+
+        It only serves the log of changes: a damaged ``config.json`` is reported, not fatal
+        (the state it would describe is checksummed and loads whole).
+        """
         if not self.world.is_rank_zero:
+            return None
+        try:
+            return saved_config(path)
+        except CheckpointError as exc:
+            logger.warning("not comparing the config with the checkpoint's: %s", exc)
+            return None
+
+    def _log_config_diff(self, saved: dict[str, Any] | None) -> None:
+        if saved is None:
             return
-        changes = config_changes(path, self.config.model_dump_json())
+        changes = config_changes(saved, self.config.model_dump_json())
         if changes:
             logger.warning("the config differs from the checkpoint's:\n  %s",
                            "\n  ".join(changes))

@@ -14,6 +14,7 @@ from dream_trainer.configs.logging import LoggingConfigMixin
 from dream_trainer.mixins.logging import LoggerMixin
 from dream_trainer.utils.media import (Histogram, ImagesLike, MediaFiles, to_uint8_images,
                                        to_uint8_video)
+from dream_trainer.utils.resumed_log import Continuation
 
 
 class CSVLoggerConfigMixin(LoggingConfigMixin):
@@ -28,7 +29,10 @@ class CSVLoggerMixin(LoggerMixin):
 
     A key first seen after rows were written (validation's, say) adds a column: the file is
     rewritten with the wider header into a temporary file that then replaces it, so it is
-    never left half-written. A resumed run reads the header back and appends. Images, videos,
+    never left half-written. A run resumed from the checkpoint of step S reads the header
+    back, drops the rows the interrupted run wrote after that checkpoint (those past S, and at
+    S the keys it logs again: see ``dream_trainer.utils.resumed_log``) and appends, so that
+    the file holds one value per step and key. Images, videos,
     histograms and tables are written under ``logs/media/`` (see ``JSONLoggerMixin``) and
     their cell holds the path relative to ``logs/`` (images: the paths joined by ``;``);
     text goes in its cell.
@@ -41,6 +45,7 @@ class CSVLoggerMixin(LoggerMixin):
         self._csv_file: IO[str] | None = None
         self._csv_columns: list[str] = []
         self._csv_media: MediaFiles | None = None
+        self._csv_continuation: Continuation | None = None
 
     @property
     def csv_path(self) -> Path:
@@ -54,6 +59,11 @@ class CSVLoggerMixin(LoggerMixin):
         if self.csv_path.exists() and self.csv_path.stat().st_size:
             with open(self.csv_path, newline="") as existing:
                 self._csv_columns = next(csv.reader(existing), None) or ["step"]
+            if self.global_step > 0:  # resumed: start_logging runs after the checkpoint loads
+                continuation = Continuation(self.csv_path, self.global_step, self._csv_rows())
+                if continuation.dropped:
+                    self._rewrite(continuation.rows)
+                self._csv_continuation = None if continuation.done else continuation
         else:
             self.csv_path.write_text(",".join(self._csv_columns) + "\n")
         self._csv_file = open(self.csv_path, "a", newline="")
@@ -101,26 +111,39 @@ class CSVLoggerMixin(LoggerMixin):
     def _write_row(self, values: Mapping[str, Any], step: int | None = None) -> None:
         if self._csv_file is None:
             return
+        step = self.global_step if step is None else step
         new = [key for key in values if key not in self._csv_columns]
         if new:
-            self._widen(new)
-        row = {"step": self.global_step if step is None else step, **values}
-        csv.DictWriter(self._csv_file, self._csv_columns).writerow(row)
+            self._csv_columns += new
+            self._rewrite(self._csv_rows())  # the wider header, old rows' new cells empty
+        if self._csv_continuation is not None:
+            repeated = self._csv_continuation.repeated(step, values)
+            if repeated:
+                self._rewrite(self._csv_continuation.without(self._csv_rows(), repeated))
+            if self._csv_continuation.done:
+                self._csv_continuation = None
+        csv.DictWriter(self._csv_file, self._csv_columns).writerow({"step": step, **values})
         self._csv_file.flush()
 
-    def _widen(self, new_columns: list[str]) -> None:
-        """Rewrite the file with ``new_columns`` added to the header (their old cells empty)."""
-        assert self._csv_file is not None
-        self._csv_file.close()
-        with open(self.csv_path, newline="") as old:
-            rows = list(csv.DictReader(old))
-        self._csv_columns += new_columns
+    def _csv_rows(self) -> list[dict[str, Any]]:
+        if self._csv_file is not None:
+            self._csv_file.flush()
+        with open(self.csv_path, newline="") as file:
+            return list(csv.DictReader(file))
+
+    def _rewrite(self, rows: list[dict[str, Any]]) -> None:
+        """Replace the file by the current header and ``rows`` through a temporary file, so
+        that it is never left half-written; the appending handle, if open, follows."""
         partial = self.csv_path.with_name(self.csv_path.name + ".tmp")
-        with open(partial, "w", newline="") as wider:
-            writer = csv.DictWriter(wider, self._csv_columns)
+        with open(partial, "w", newline="") as file:
+            # A row with more cells than the header (a damaged file) has the extras under
+            # the key None: they go.
+            writer = csv.DictWriter(file, self._csv_columns, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
-            wider.flush()
-            os.fsync(wider.fileno())
+            file.flush()
+            os.fsync(file.fileno())
         os.replace(partial, self.csv_path)
-        self._csv_file = open(self.csv_path, "a", newline="")
+        if self._csv_file is not None:
+            self._csv_file.close()
+            self._csv_file = open(self.csv_path, "a", newline="")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -15,6 +16,7 @@ from dream_trainer.trainer.phases import runs_on
 from dream_trainer.utils.media import (Histogram, ImagesLike, MediaFiles, check_images,
                                        check_table, check_video, plain, to_uint8_images,
                                        to_uint8_video)
+from dream_trainer.utils.resumed_log import Continuation, Row
 
 
 class LoggerMixin(AbstractTrainer):
@@ -49,7 +51,9 @@ class LoggerMixin(AbstractTrainer):
 
     # -- backend interface ---------------------------------------------------------------------
     def start_logging(self) -> None:
-        """Open the backend's run (rank 0, once, at the end of setup)."""
+        """Open the backend's run (rank 0, once, at the end of setup). It runs after a
+        checkpoint's resume (``post_setup`` work of ``after_bases=False``, which runs first):
+        ``global_step`` is then the step the run continues from."""
 
     def log_dict(self, values: Mapping[str, float], step: int | None = None) -> None:
         """Record scalar ``values`` at ``step`` (the global step when None)."""
@@ -139,7 +143,8 @@ class LoggerMixin(AbstractTrainer):
 
     @runs_on("post_train_epoch", after_bases=True)
     def _log_train_epoch(self, result: dict[str, Any]) -> None:
-        if self._logging:
+        # A run resumed from its epoch's last step ends that epoch with no batch: no means.
+        if self._logging and result:
             self.log_dict({f"train_epoch/{k}": v for k, v in _scalars(result).items()},
                           self.global_step)
 
@@ -177,9 +182,11 @@ class JSONLoggerConfigMixin(LoggingConfigMixin):
 class JSONLoggerMixin(LoggerMixin):
     """Logs to ``<log_dir>/.../logs/metrics.jsonl``, one ``{"step": N, ...}`` object a line.
 
-    Needs no package or account; a resumed run appends to the same file, so steps keep
-    increasing. The config is written to ``logs/config.json``. Images and videos are PNG and
-    animated PNG files under ``logs/media/``; their record holds
+    Needs no package or account. A run resumed from the checkpoint of step S drops the
+    records the interrupted run wrote after that checkpoint (those past S, and at S the keys
+    it logs again: see ``dream_trainer.utils.resumed_log``) and appends, so that the file
+    holds one value per step and key. The config is written to ``logs/config.json``. Images
+    and videos are PNG and animated PNG files under ``logs/media/``; their record holds
     ``{"_type": "images", "paths": [...], "captions": [...]}`` or ``{"_type": "video",
     "path": ..., "fps": ...}``, paths relative to ``logs/``. Histograms (``"histogram"``:
     ``counts``, ``edges``, ...), tables (``"table"``: ``columns``, ``rows``) and text
@@ -192,11 +199,21 @@ class JSONLoggerMixin(LoggerMixin):
         super().__init__(*args, **kwargs)
         self._json_file: IO[str] | None = None
         self._json_media: MediaFiles | None = None
+        self._json_continuation: Continuation | None = None
+
+    @property
+    def _json_path(self) -> Path:
+        return self.log_dir / "metrics.jsonl"
 
     def start_logging(self) -> None:
         super().start_logging()
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._json_file = open(self.log_dir / "metrics.jsonl", "a")
+        if self.global_step > 0 and self._json_path.exists():
+            continuation = Continuation(self._json_path, self.global_step, self._json_records())
+            if continuation.dropped:
+                self._rewrite_json(continuation.rows)
+            self._json_continuation = None if continuation.done else continuation
+        self._json_file = open(self._json_path, "a")
         self._json_media = MediaFiles(self.log_dir)
 
     def log_dict(self, values: Mapping[str, float], step: int | None = None) -> None:
@@ -204,10 +221,42 @@ class JSONLoggerMixin(LoggerMixin):
         self._write_record(values, step)
 
     def _write_record(self, values: Mapping[str, Any], step: int | None = None) -> None:
-        if self._json_file is not None:
-            record = {"step": self.global_step if step is None else step, **values}
-            self._json_file.write(json.dumps(record) + "\n")
-            self._json_file.flush()
+        if self._json_file is None:
+            return
+        step = self.global_step if step is None else step
+        if self._json_continuation is not None:
+            repeated = self._json_continuation.repeated(step, values)
+            if repeated:
+                self._json_file.close()
+                self._rewrite_json(self._json_continuation.without(self._json_records(),
+                                                                   repeated))
+                self._json_file = open(self._json_path, "a")
+            if self._json_continuation.done:
+                self._json_continuation = None
+        self._json_file.write(json.dumps({"step": step, **values}) + "\n")
+        self._json_file.flush()
+
+    def _json_records(self) -> list[Row | None]:
+        """The file's records; None for a line that is not one (a write cut short)."""
+        records: list[Row | None] = []
+        with open(self._json_path) as file:
+            for line in file:
+                try:
+                    record = json.loads(line) if line.endswith("\n") else None
+                except ValueError:
+                    record = None
+                records.append(record if isinstance(record, dict) else None)
+        return records
+
+    def _rewrite_json(self, records: list[Row]) -> None:
+        """Replace the file by ``records`` through a temporary file, so that it is never
+        left half-written."""
+        partial = self._json_path.with_name(self._json_path.name + ".tmp")
+        with open(partial, "w") as file:
+            file.writelines(json.dumps(record) + "\n" for record in records)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, self._json_path)
 
     def log_images(self, key: str, images: ImagesLike,
                    captions: Sequence[str] | None = None) -> None:

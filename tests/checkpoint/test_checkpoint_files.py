@@ -48,6 +48,10 @@ def test_keep_top_k_keeps_the_best_by_monitor_and_the_newest(tmp_path: Path, mod
     scores = {4: -3.5, 8: 7.25, 10: 0.5}  # negative values rank like any other
 
     class Scored(CheckpointedTrainer):
+        def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+            # A result key, so that monitor="score" is found; the value set below ranks.
+            return {**super().training_step(batch, batch_idx), "score": 0.0}
+
         def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
             if not self.is_accumulating_gradients:
                 self._latest_results["score"] = scores.get(self.global_step, 100.0)
@@ -104,9 +108,17 @@ def test_checksums_are_shared_out_so_each_rank_reads_the_files_it_wrote(world_si
 
 def test_damaged_metadata_is_named(tmp_path: Path) -> None:
     train(tmp_path, resume=None)
-    (checkpoints(tmp_path) / "step_10" / ".metadata").write_bytes(b"not a pickle")
+    step = checkpoints(tmp_path) / "step_10"
+    (step / ".metadata").write_bytes(b"not a pickle")
+    # The recorded checksum finds the damage before anything parses the file...
+    with pytest.raises(CheckpointError, match=r"step_10/\.metadata does not match the "
+                                              r"checksum recorded .* it was not parsed"):
+        train(tmp_path, resume=step)
+    # ...and without one (a checkpoint written before checksums), the decoder names it.
+    info = json.loads((step / "dream_trainer.json").read_text())
+    (step / "dream_trainer.json").write_text(json.dumps({**info, "files": None}))
     with pytest.raises(CheckpointError, match=r"cannot read .*step_10/\.metadata"):
-        train(tmp_path, resume=checkpoints(tmp_path) / "step_10")
+        train(tmp_path, resume=step)
 
 
 def test_missing_or_unfinished_resume_path_is_explained(tmp_path: Path) -> None:

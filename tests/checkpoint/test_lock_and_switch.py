@@ -3,6 +3,7 @@ off altogether."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -15,6 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from dream_trainer.checkpoint import CheckpointError
+from dream_trainer.checkpoint.lock import LockHolder
 from dream_trainer.configs import CheckpointParameters, apply_cli_overrides
 from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config
 from tests.helpers.launch import REPO, child_env
@@ -54,17 +56,14 @@ def test_a_second_run_is_refused_while_the_first_runs_and_takes_over_once_it_is_
 
 def test_a_lock_of_a_dead_earlier_worker_of_the_same_launcher_is_taken_silently(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    import os
-
     lock = tmp_path / LOCK
     lock.parent.mkdir(parents=True)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
-    import socket
-
-    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout),
-                                "started": "earlier", "process_start": None,
-                                "launcher_pid": os.getppid()}))
+    # This process's record but for the pid: the same launcher (our parent) started both.
+    earlier = dataclasses.replace(LockHolder.this_process(), pid=int(dead.stdout),
+                                  started="earlier", process_start=None)
+    lock.write_text(json.dumps(dataclasses.asdict(earlier)))
     caplog.set_level(logging.INFO, logger="dream_trainer")
     CheckpointedTrainer(checkpointed_config(tmp_path, resume="latest")).fit()
     assert "taking over the lock of an earlier worker of this run" in caplog.text
