@@ -90,6 +90,17 @@ def test_summarize_prints_the_config_world_and_models_without_training(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_summarize_shows_the_configured_learning_rate_not_the_warmups_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    # A linear warmup from 0: the optimizer's lr is 0 until the first step.
+    assert main(["summarize", TARGET, "--learning_rate", "0.5", "--warmup_steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert (f"optimizer: AdamW, 1 param group, {PARAMETERS} parameters, lr 0.5 (configured; "
+            "the scheduler starts at 0)\nscheduler: LambdaLR on optimizer\n") in out
+
+
 def test_benchmark_measures_n_steps_and_writes_nothing_into_the_run_directories(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     before = sandboxes()

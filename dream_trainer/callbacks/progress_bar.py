@@ -26,7 +26,7 @@ class ProgressBar(RankZeroCallback):
 
     On a terminal (``stream.isatty()``) a rich display holds a bar for the current epoch and
     one for the whole run; elsewhere (CI logs, files) it prints one plain line per refresh,
-    such as ``epoch 1/3 step 40/120 loss 0.5234 2150.3 samples/s eta 0:00:12 rss 1.52 GiB``,
+    such as ``epoch 1/3 step 40/120 loss_ema 0.5234 2150.3 samples/s eta 0:00:12 rss 1.52 GiB``,
     and one per validation pass, such as ``validation epoch 1: val_loss=0.4321``. Memory is
     rank 0's: on CUDA ``mem A/R GiB``, the peaks allocated and reserved by the allocator since
     the last refresh; on the CPU ``rss R GiB``, the process's resident set size.
@@ -38,7 +38,8 @@ class ProgressBar(RankZeroCallback):
             loop is not held up: each update reads the loss from the device, a host sync.
         refresh_seconds: With ``refresh_every_n_steps=None``, the least time between updates.
         smoothing: Weight of the newest optimizer step in the exponential moving averages of
-            the loss and of the step time that throughput and ETA derive from. The loss is
+            the loss and of the step time that throughput and ETA derive from; the loss shows
+            as ``loss_ema``, or as ``loss`` with ``smoothing=1`` (the step's). The loss is
             the logged one (``BaseTrainer.reduce_step_result``: over the step's micro-batches
             and data-parallel ranks, item-weighted) on the steps a logger logs; without a
             logger, the mean of rank 0's ``result["loss"]`` over the step's micro-batches.
@@ -202,7 +203,10 @@ class ProgressBar(RankZeroCallback):
             self._step_time_ema = (step_time if self._step_time_ema is None else
                                    self._step_time_ema + weight * (step_time - self._step_time_ema))
             self._mark_time, self._mark_step = now, step
-        parts = [] if self._loss_ema is None else [f"loss {float(self._loss_ema):.4f}"]
+        # Labelled for what it is: with smoothing the bar's loss is not the step's (the value
+        # a logger writes), so it must not read as if it were.
+        label = "loss" if self.smoothing == 1 else "loss_ema"
+        parts = [] if self._loss_ema is None else [f"{label} {float(self._loss_ema):.4f}"]
         if self._step_time_ema is not None:
             throughput = (self.trainer.global_batch_size / self._step_time_ema
                           if self._step_time_ema > 0 else math.inf)

@@ -124,13 +124,25 @@ def _optimizers(trainer: BaseTrainer) -> str:
     for name, optimizer in trainer.named_optimizers().items():
         groups = optimizer.param_groups
         count = sum(p.numel() for group in groups for p in group["params"])
-        rates = ", ".join(f"{group['lr']:g}" for group in groups if "lr" in group)
         lines.append(f"{name}: {type(optimizer).__name__}, {_count(len(groups), 'param group')}, "
-                     f"{_count(count, 'parameter')}, lr {rates or '-'}")
+                     f"{_count(count, 'parameter')}, {_learning_rates(groups)}")
     for name, scheduler in trainer.named_schedulers().items():
         lines.append(f"{name}: {type(scheduler).__name__} on "
                      f"{_name_of(scheduler.optimizer, trainer.named_optimizers())}")
     return "\n".join(lines)
+
+
+def _learning_rates(groups: list[dict[str, Any]]) -> str:
+    """``lr`` as configured: torch's schedulers keep it as ``initial_lr`` when they replace
+    ``lr`` with their first value (0 at the start of a warmup), which is then shown too."""
+    groups = [group for group in groups if "lr" in group]
+    if not groups:
+        return "lr -"
+    configured = ", ".join(f"{group.get('initial_lr', group['lr']):g}" for group in groups)
+    if all(group.get("initial_lr", group["lr"]) == group["lr"] for group in groups):
+        return f"lr {configured}"
+    current = ", ".join(f"{group['lr']:g}" for group in groups)
+    return f"lr {configured} (configured; the scheduler starts at {current})"
 
 
 def _name_of(value: object, named: dict[str, Any]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Annotated, Any, Literal
 
@@ -124,6 +125,54 @@ def pipeline_problem(schedule: str, degree: int, stages_per_rank: int,
     return None
 
 
+def degree_problem(params: DeviceParameters, degrees: Mapping[str, Degree]) -> str | None:
+    """Why ``params`` cannot run with these mesh degrees, or None when it can.
+
+    The config checks its own degrees and skips each rule that reads an ``"auto"`` one;
+    ``ParallelDims.resolve`` checks the resolved degrees, so that an ``"auto"`` degree meets
+    every rule a fixed one does once the world size is known.
+
+    Args:
+        params: The settings the rules read besides the degrees (offload, loss parallel,
+            the pipeline's dtype and schedule, expert parallelism).
+        degrees: A degree (or ``"auto"``) for each of ``dp_replicate``, ``dp_shard``,
+            ``context_parallel``, ``tensor_parallel`` and ``pipeline_parallel``.
+    """
+    pp, dp_replicate, dp_shard, tp = (degrees[name] for name in (
+        "pipeline_parallel", "dp_replicate", "dp_shard", "tensor_parallel"))
+    if params.cpu_offload and dp_shard == 1:
+        return ("cpu_offload=True needs FSDP2 sharding: set dp_shard > 1 (or 'auto'), or turn "
+                "cpu_offload off")
+    if params.loss_parallel and tp == 1:
+        return ("loss_parallel=True computes the loss over vocabulary-sharded logits, which "
+                "needs tensor_parallel > 1: set tensor_parallel, or turn loss_parallel off")
+    if isinstance(pp, int) and pp > 1:
+        if params.param_dtype == torch.float16:
+            # Each stage's gradient scaler would skip steps on its own overflows, so the
+            # stages would drift apart.
+            return ("pipeline_parallel > 1 cannot run with param_dtype=float16 (its gradient "
+                    "scaler would skip steps stage by stage): use bfloat16")
+        if isinstance(dp_replicate, int) and dp_replicate > 1 and dp_shard == 1:
+            return ddp_pipeline_problem(pp, dp_replicate)
+        problem = pipeline_problem(params.pipeline_schedule, pp, *pipeline_layout(params, pp))
+        if problem is not None:
+            return problem
+    ep = params.expert_parallel
+    if ep == 1:
+        return None
+    unsupported = [f"{name}={degrees[name]!r}" for name in
+                   ("tensor_parallel", "pipeline_parallel", "dp_replicate")
+                   if isinstance(degrees[name], int) and degrees[name] != 1]
+    if unsupported:
+        return (f"expert_parallel={ep} with {', '.join(unsupported)} is not supported yet: set "
+                "them to 1 (expert parallelism composes with dp_shard only)")
+    if isinstance(dp_shard, int) and dp_shard % ep:
+        return (f"expert_parallel={ep} borrows its ranks from dp_shard, so dp_shard must be a "
+                f"multiple of {ep}, got dp_shard={dp_shard!r}: set dp_shard to a multiple of "
+                f"{ep} or 'auto'")
+    return None
+
+
 class DeviceParameters(ConfigModel):
     """The device mesh and the numerics of a run.
 
@@ -133,10 +182,13 @@ class DeviceParameters(ConfigModel):
 
     dp_replicate: Degree = 1
     """Data-parallel replicas (DDP, or the replicate axis of HSDP). When not given it is
-    ``"auto"`` unless another degree is, so the default is data parallel over every rank."""
+    ``"auto"`` unless another degree is, so the default is data parallel over every rank.
+    A value derived so stays out of ``model_fields_set`` and follows the fields given,
+    however they are given (keywords, JSON, a command-line override)."""
     dp_shard: Degree = 1
     """Data-parallel shards (FSDP2). When neither this nor ``dp_replicate`` is given and
-    ``pipeline_parallel > 1``, it is ``"auto"``: a pipeline's spare ranks shard its stages."""
+    ``pipeline_parallel > 1`` (or ``expert_parallel > 1``), it is ``"auto"``: a pipeline's
+    spare ranks shard its stages."""
     context_parallel: Degree = 1
     """Context-parallel degree (not supported yet: must be 1)."""
     tensor_parallel: Degree = 1
@@ -209,22 +261,28 @@ class DeviceParameters(ConfigModel):
     ``in_features`` or ``out_features`` is not a multiple of 16 always stay in high precision
     (float8 matmuls need it)."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _default_replicate(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "dp_replicate" not in data:
-            other_auto = any(data.get(name) == "auto" for name in _DEGREE_FIELDS)
-            if other_auto:
-                return {**data, "dp_replicate": 1}
-            # Pipeline stages cannot be DDP-wrapped (see _check_pipeline): a pipeline's
-            # spare ranks shard its stages instead, as torchtitan's do.
-            if str(data.get("pipeline_parallel", 1)) != "1" and "dp_shard" not in data:
-                return {**data, "dp_replicate": 1, "dp_shard": "auto"}
-            # Expert parallelism borrows its ranks from dp_shard.
-            if str(data.get("expert_parallel", 1)) != "1" and "dp_shard" not in data:
-                return {**data, "dp_replicate": 1, "dp_shard": "auto"}
-            return {**data, "dp_replicate": "auto"}
-        return data
+    @model_validator(mode="after")
+    def _default_data_parallel(self) -> DeviceParameters:
+        # The data-parallel degrees not given follow from the fields that were, however the
+        # config was built (keywords, JSON, apply_cli_overrides' copy of the given fields with
+        # one changed). They stay out of model_fields_set, so that such a copy derives them
+        # anew instead of taking a derived default for a choice.
+        given = self.model_fields_set
+        if "dp_replicate" in given:
+            return self
+        dp_replicate: Degree = "auto"
+        dp_shard: Degree = self.dp_shard if "dp_shard" in given else 1
+        if any(getattr(self, name) == "auto" for name in _DEGREE_FIELDS if name in given):
+            dp_replicate = 1  # the "auto" degree given takes the spare ranks
+        elif (self.pipeline_parallel != 1 or self.expert_parallel != 1) \
+                and "dp_shard" not in given:
+            # Pipeline stages cannot be DDP-wrapped (see ddp_pipeline_problem), so a
+            # pipeline's spare ranks shard its stages, as torchtitan's do; expert
+            # parallelism borrows its ranks from dp_shard.
+            dp_replicate, dp_shard = 1, "auto"
+        object.__setattr__(self, "dp_replicate", dp_replicate)
+        object.__setattr__(self, "dp_shard", dp_shard)
+        return self
 
     @model_validator(mode="after")
     def _check_degrees(self) -> DeviceParameters:
@@ -237,19 +295,11 @@ class DeviceParameters(ConfigModel):
         if self.context_parallel != 1:
             raise ValueError(f"context_parallel={self.context_parallel!r} is not supported yet: "
                              "set context_parallel=1")
-        if self.cpu_offload and self.dp_shard == 1:
-            raise ValueError(
-                "cpu_offload=True needs FSDP2 sharding: set dp_shard > 1 (or 'auto'), "
-                "or turn cpu_offload off"
-            )
         if self.init_timeout <= timedelta(0) or self.train_timeout <= timedelta(0):
             raise ValueError("init_timeout and train_timeout must be positive durations")
-        if self.loss_parallel and self.tensor_parallel == 1:
-            raise ValueError("loss_parallel=True computes the loss over vocabulary-sharded "
-                             "logits, which needs tensor_parallel > 1: set tensor_parallel, or "
-                             "turn loss_parallel off")
-        self._check_pipeline()
-        self._check_experts()
+        problem = degree_problem(self, {name: getattr(self, name) for name in _DEGREE_FIELDS})
+        if problem is not None:
+            raise ValueError(problem)
         self._check_float8()
         return self
 
@@ -268,44 +318,6 @@ class DeviceParameters(ConfigModel):
             if not entry or any(not part or part != part.strip() for part in parts):
                 raise ValueError(f"float8_filter entry {entry!r} is not a module name: give "
                                  "dotted names such as 'head' or 'layers.0.mlp'")
-
-    def _check_experts(self) -> None:
-        ep = self.expert_parallel
-        if ep == 1:
-            return
-        # dp_replicate="auto" is checked once resolved (it is 1 when dp_shard takes every rank).
-        unsupported = [f"{name}={getattr(self, name)!r}" for name in
-                       ("tensor_parallel", "pipeline_parallel", "context_parallel",
-                        "dp_replicate") if getattr(self, name) != 1
-                       and not (name == "dp_replicate" and self.dp_replicate == "auto")]
-        if unsupported:
-            raise ValueError(f"expert_parallel={ep} with {', '.join(unsupported)} is not "
-                             "supported yet: set them to 1 (expert parallelism composes with "
-                             "dp_shard only)")
-        if self.dp_shard == 1 or (isinstance(self.dp_shard, int) and self.dp_shard % ep):
-            raise ValueError(f"expert_parallel={ep} borrows its ranks from dp_shard, so "
-                             f"dp_shard must be a multiple of {ep}, got dp_shard="
-                             f"{self.dp_shard!r}: set dp_shard to a multiple of {ep} or "
-                             "'auto'")
-
-    def _check_pipeline(self) -> None:
-        if self.pipeline_parallel == 1:
-            return
-        if self.param_dtype == torch.float16:
-            # Each stage's gradient scaler would skip steps on its own overflows, so the
-            # stages would drift apart.
-            raise ValueError("pipeline_parallel > 1 cannot run with param_dtype=float16 (its "
-                             "gradient scaler would skip steps stage by stage): use bfloat16")
-        if isinstance(self.dp_replicate, int) and self.dp_replicate > 1 and self.dp_shard == 1:
-            # An "auto" degree is checked once resolved (it is 1 when the pipeline takes
-            # every rank): see ddp_pipeline_problem.
-            raise ValueError(ddp_pipeline_problem(self.pipeline_parallel, self.dp_replicate))
-        if self.pipeline_parallel == "auto":
-            return  # the rest depends on the degree: checked once the world size is known
-        problem = pipeline_problem(self.pipeline_schedule, self.pipeline_parallel,
-                                   *pipeline_layout(self, self.pipeline_parallel))
-        if problem is not None:
-            raise ValueError(problem)
 
     @classmethod
     def SINGLE_DEVICE(cls, **overrides: Any) -> DeviceParameters:

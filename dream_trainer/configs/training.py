@@ -55,3 +55,21 @@ class TrainingParameters(ConfigModel):
         """Whether ``val_batch_size`` was given. If not, it reads as ``train_batch_size`` and
         every validation loader may have a batch size of its own."""
         return "val_batch_size" in self.model_fields_set
+
+
+def pipeline_batch_problem(params: TrainingParameters, microbatches: int) -> str | None:
+    """Why a configured batch size does not split into a pipeline's ``microbatches``, or None.
+
+    ``val_batch_size`` counts only when given: otherwise each validation loader keeps its own
+    size, which setup checks on the loader.
+    """
+    fields = ("train_batch_size", "val_batch_size") if params.val_batch_size_set \
+        else ("train_batch_size",)
+    for field in fields:
+        size = getattr(params, field)
+        if size % microbatches:
+            return (f"training_parameters.{field}={size} does not split into "
+                    f"device_parameters.pipeline_microbatches={microbatches} (pipeline "
+                    f"microbatches are equal slices of each batch): make {field} a multiple of "
+                    f"{microbatches}, or set pipeline_microbatches to a divisor of it")
+    return None

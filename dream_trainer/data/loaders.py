@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomSampler,
-                              SequentialSampler)
+                              SequentialSampler, default_collate)
 from torch.utils.data.distributed import DistributedSampler
 
 from dream_trainer.data.samplers import ResumableSampler, ValidationBatches
@@ -96,6 +96,51 @@ def _rebuilt(loader: DataLoader[Any], **splitting: Any) -> DataLoader[Any]:
         in_order=getattr(loader, "in_order", True),
         **splitting,
     )
+
+
+def pipeline_split_problem(loader: Iterable[Any], kind: str, microbatches: int,
+                           max_batches: int | None = None) -> str | None:
+    """Why a validation loader will yield a batch that a pipeline cannot cut into
+    ``microbatches`` equal slices, or None when every batch splits.
+
+    Only a loader that ``prepare_loader`` split with ``ValidationBatches`` and that collates
+    with torch's ``default_collate`` is judged: its batches' first dimension is known on
+    every rank alike. Others' (a custom sampler, an iterable dataset, a collate function that
+    may pack or pad rows) are known only by reading them, which the pipeline checks batch by
+    batch.
+
+    Args:
+        loader: The loader as ``prepare_loader`` returned it.
+        kind: How the message names the loader (``"validation"``, ``"validation 'test'"``).
+        microbatches: The pipeline's microbatches per batch.
+        max_batches: How many batches of a pass are read; ``None`` reads them all.
+    """
+    batches = getattr(loader, "batch_sampler", None)
+    if not isinstance(batches, ValidationBatches) \
+            or getattr(loader, "collate_fn", None) is not default_collate:
+        return None
+    batch_size, ranks = batches.batch_size, batches.num_replicas
+    sizes = sorted({size for rank in range(ranks)
+                    for size in batches.batch_sizes(rank)[:max_batches]})
+    bad = [size for size in sizes if size % microbatches]
+    if not bad:
+        return None
+    fixes = [f"give the loader a batch_size that is a multiple of {microbatches}"] \
+        if batch_size % microbatches else []
+    if bad != [batch_size]:  # short batches: the set does not fill every rank's batches
+        whole = len(batches.dataset)  # type: ignore[arg-type]
+        trimmed = whole - whole % batch_size
+        if batches.total == whole and trimmed % (batch_size * ranks) == 0:
+            fixes.append(f"build it with drop_last=True (which leaves out the last "
+                         f"{whole - trimmed} samples of the set)")
+        else:
+            fixes.append(f"give the set a multiple of {batch_size * ranks} samples (batch_size "
+                         f"x {ranks} data-parallel ranks), so that every rank reads full batches")
+    return (f"the {kind} loader yields batches of {', '.join(map(str, sizes))} samples "
+            f"(batch_size={batch_size}, {batches.total} samples over {ranks} data-parallel "
+            f"rank{'s' if ranks > 1 else ''}), and a pipeline cuts every batch into "
+            f"pipeline_microbatches={microbatches} equal slices, so its batches of "
+            f"{', '.join(map(str, bad))} samples cannot run: {'; and '.join(fixes)}")
 
 
 def epoch_batches(loader: Iterable[Any], start: int, stop: int,

@@ -118,9 +118,14 @@ class ValidationBatches(Sampler[list[int]]):
         mine = epoch_order(len(self.dataset), self.shuffle, self.seed)[:self.total][
             self.rank::self.num_replicas]
         start = 0
-        for size in _batch_sizes(len(mine), self.num_batches, self.batch_size):
+        for size in self.batch_sizes(self.rank):
             yield mine[start:start + size]
             start += size
+
+    def batch_sizes(self, rank: int) -> list[int]:
+        """The sizes of the batches data-parallel rank ``rank`` reads, in order."""
+        share = len(range(rank, self.total, self.num_replicas))
+        return _batch_sizes(share, self.num_batches, self.batch_size)
 
     def __len__(self) -> int:
         return self.num_batches

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dream_trainer.configs.device import ddp_pipeline_problem
 from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.data_parallel import DDPBackend
 from dream_trainer.parallel.experts import distribute_experts, fully_shard_experts
@@ -200,15 +199,11 @@ class ParallelizeModels(AbstractTrainer):
             logger.info("%s: %d Linear layers train in float8 (%s)", name, len(converted),
                         params.float8_recipe)
 
-    def _setup_pipeline(self, replicate: bool) -> None:
+    def _setup_pipeline(self) -> None:
         """Split, parallelize each stage, materialize this rank's stages, wrap them.
 
-        Raises:
-            ValueError: if the data-parallel degree resolved to DDP replicas.
-        """
-        if replicate:
-            raise ValueError(ddp_pipeline_problem(self.world.dims.pp,
-                                                  self.world.dims.dp_replicate))
+        DDP replicas of stages were refused when the degrees were resolved
+        (``ParallelDims.resolve``)."""
         name = _pipelined_model(self)
         model = getattr(self, name)
         pretrained = self._pretrained_weights()

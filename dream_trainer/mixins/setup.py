@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 
 from dream_trainer.configs.base import ConfigModel
-from dream_trainer.data.loaders import prepare_loader
+from dream_trainer.configs.training import pipeline_batch_problem
+from dream_trainer.data.loaders import pipeline_split_problem, prepare_loader
 from dream_trainer.mixins.parallelize import ParallelizeModels
 from dream_trainer.parallel.materialize import (FullTensorInit, any_rank_failed,
                                                 find_uninitialized, has_meta_tensors,
@@ -148,7 +149,8 @@ class SetupMixin(ParallelizeModels):
 
     def export_weights(self, path: str | Path, format: ExportFormat = "hf",
                        dtype: torch.dtype | None = None,
-                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict[str, Path]:
+                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                       overwrite: bool = False) -> dict[str, Path]:
         """Write the models' current weights, consolidated, from any parallel layout.
 
         Collective: every rank calls it; each writes its own slices and rank 0 joins them
@@ -159,17 +161,21 @@ class SetupMixin(ParallelizeModels):
         with the trainer's keys. Tied parameters are written once, under their first key.
 
         Args:
-            path: The output directory (created if needed; old weight files in it are
-                replaced, other files kept).
+            path: The output directory (created if needed); it must be empty unless
+                ``overwrite`` is set.
             format: ``"hf"`` or ``"safetensors"``.
             dtype: Cast floating tensors (``torch.bfloat16``); None keeps their dtype.
             max_shard_bytes: Largest shard of an ``"hf"`` export.
+            overwrite: Export into a non-empty ``path`` (an earlier export's, say): its old
+                weight files are replaced once the new ones are written, other files kept.
 
         Returns:
             The written directory (``"hf"``) or file of each model, by model name.
 
         Raises:
             ValueError: for an unknown format, or two keys mapped to the same name.
+            FileExistsError: on every rank, if ``path`` is not empty and ``overwrite`` is
+                False.
             RuntimeError: when called by several ranks outside ``fit()``, whose process
                 group is gone (export from a hook such as ``post_fit`` instead).
         """
@@ -182,7 +188,7 @@ class SetupMixin(ParallelizeModels):
                 "from post_fit(), or export a checkpoint with `dream-trainer export`")
 
         return export_live(self.named_models(), Path(path), format, self.map_exported_key,
-                           dtype, max_shard_bytes)
+                           dtype, max_shard_bytes, overwrite)
 
     # -- phases (run whether or not user hooks call super()) ----------------------------------
     @runs_on("teardown")
@@ -238,14 +244,13 @@ class SetupMixin(ParallelizeModels):
     def build_training(self) -> None:
         """Parallelize, materialize and wrap the models; then optimizers, schedulers, data."""
         dims = self.world.dims
-        replicate = dims.dp_replicate > 1 and dims.dp_shard == 1
         if dims.pp > 1:
-            self._setup_pipeline(replicate)
+            self._setup_pipeline()
         else:
             self._apply_parallelism()
             with self.world.materialization.context():
                 self._materialize_models()
-            if replicate:
+            if dims.dp_replicate > 1 and dims.dp_shard == 1:
                 mesh = self.world.get_mesh(MeshAxis.DP_REPLICATE)
                 assert mesh is not None
                 self.apply_replicate(mesh)
@@ -381,8 +386,7 @@ class SetupMixin(ParallelizeModels):
         for name, loader in named_sets(val).items():
             # Only a val_batch_size that was given binds the loaders: by default each
             # validation set keeps its loader's own batch size.
-            _check_batch_size(loader, "validation" if name is None else f"validation {name!r}",
-                              "val_batch_size",
+            _check_batch_size(loader, _validation_kind(name), "val_batch_size",
                               params.val_batch_size if params.val_batch_size_set else None)
         seed = self.config.seed if self.config.seed is not None else 0
         world = self.world
@@ -391,6 +395,23 @@ class SetupMixin(ParallelizeModels):
         self._val_loader = None if val is None else map_loaders(
             val, lambda loader: prepare_loader(loader, world.dp_size, world.dp_rank, seed,
                                                validation=True))
+        if world.dims.pp > 1:
+            self._check_pipeline_batches()
+
+    def _check_pipeline_batches(self) -> None:
+        """Refuse now a batch that the pipeline could not cut into its microbatches at its
+        step: a configured batch size (when ``pipeline_parallel`` was ``"auto"``, the
+        config could not check it) and each validation loader's batches, short ones
+        included, where its length tells them."""
+        params = self.config.training_parameters
+        microbatches = self.world.dims.pp_microbatches
+        problems = [pipeline_batch_problem(params, microbatches)] + [
+            pipeline_split_problem(loader, _validation_kind(name), microbatches,
+                                   params.val_steps_per_epoch)
+            for name, loader in named_sets(self._val_loader).items()]
+        problem = next((problem for problem in problems if problem is not None), None)
+        if problem is not None:
+            raise ValueError(problem)
 
     # -- accessors ---------------------------------------------------------------------------
     def named_models(self) -> dict[str, nn.Module]:
@@ -413,6 +434,10 @@ class SetupMixin(ParallelizeModels):
     def val_dataloader(self) -> Iterable[Any] | Mapping[str, Iterable[Any]] | None:
         """The validation loader, ``{name: loader}`` for several sets, or None."""
         return self._val_loader
+
+
+def _validation_kind(name: str | None) -> str:
+    return "validation" if name is None else f"validation {name!r}"
 
 
 def _check_batch_size(loader: Any, kind: str, field: str, expected: int | None) -> None:

@@ -33,6 +33,10 @@ from dream_trainer.world.environment import LaunchEnvironment
 from dream_trainer.world.materialization import Materialization
 
 
+_DTENSOR_RANDOM_WARNING = "DTensor random operators may not have complete support"
+"""The start of the warning torch 2.13 gives for every random op on a DTensor of a CPU mesh."""
+
+
 class ShapesOnly(Materialization):
     """Fake tensors: shapes and dtypes without storage, so a rank of any size sets up on one
     CPU. The mode is made at first use, after the mesh: DeviceMesh computes its coordinates
@@ -122,8 +126,12 @@ def plan_rank(load: Callable[[], BaseTrainer], world_size: int, rank: int,
     # A daemon, so that an interrupt of the caller is not held up by a long step.
     thread = threading.Thread(target=run, name=f"plan rank {rank} of {world_size}", daemon=True)
     excepthook = sys.excepthook
-    thread.start()
-    thread.join()
+    with warnings.catch_warnings():
+        # Fake tensors hold no random values: whether DTensor's random ops are reproducible
+        # on a CPU mesh is no concern of a plan, whose report the warning would interleave.
+        warnings.filterwarnings("ignore", message=_DTENSOR_RANDOM_WARNING, category=UserWarning)
+        thread.start()
+        thread.join()
     # init_process_group wraps sys.excepthook in a "[rank<r>]" prefixer each time it runs.
     sys.excepthook = excepthook
     gc.collect()

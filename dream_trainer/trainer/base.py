@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from dream_trainer.configs.device import pipeline_layout
-from dream_trainer.configs.training import TrainingParameters
+from dream_trainer.configs.training import TrainingParameters, pipeline_batch_problem
 from dream_trainer.data.batch import move_to_device
 from dream_trainer.data.loaders import has_resumable_sampler, numbered_batches
 from dream_trainer.data.stream import TrainBatches
@@ -44,23 +44,14 @@ class BaseTrainerConfig(AbstractTrainerConfig):
     @model_validator(mode="after")
     def _check_pipeline_batches(self) -> BaseTrainerConfig:
         # Batch sizes live apart from the pipeline settings, so their fit is checked here; a
-        # degree of "auto" is checked on the first batch instead (see PipelineRunner).
+        # degree of "auto" is checked by the same rule once resolved, at setup.
         params = self.device_parameters
         if params.pipeline_parallel in (1, "auto"):
             return self
         _, microbatches = pipeline_layout(params, params.pipeline_parallel)
-        # An unset val_batch_size means each loader's own size: checked on its first batch.
-        fields = ("train_batch_size", "val_batch_size") \
-            if self.training_parameters.val_batch_size_set else ("train_batch_size",)
-        for field in fields:
-            size = getattr(self.training_parameters, field)
-            if size % microbatches:
-                raise ValueError(
-                    f"training_parameters.{field}={size} does not split into "
-                    f"device_parameters.pipeline_microbatches={microbatches} (pipeline "
-                    f"microbatches are equal slices of each batch): make {field} a multiple "
-                    f"of {microbatches}, or set pipeline_microbatches to a divisor of it"
-                )
+        problem = pipeline_batch_problem(self.training_parameters, microbatches)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
 

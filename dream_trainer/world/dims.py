@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
-from dream_trainer.configs.device import DeviceParameters, pipeline_layout
+from dream_trainer.configs.device import (DeviceParameters, degree_problem,
+                                          pipeline_layout)
 from dream_trainer.errors import MeshMismatchError
 
 
@@ -64,10 +65,13 @@ class ParallelDims:
 
     @classmethod
     def resolve(cls, params: DeviceParameters, world_size: int) -> ParallelDims:
-        """Replace an ``"auto"`` degree with what the world size leaves over.
+        """Replace an ``"auto"`` degree with what the world size leaves over, and check the
+        resolved degrees by the rules the config checks fixed ones by (``degree_problem``).
 
         Raises:
-            MeshMismatchError: if the degrees cannot multiply to ``world_size``.
+            MeshMismatchError: if the degrees cannot multiply to ``world_size``, or the degree
+                an ``"auto"`` resolved to breaks a rule (the config's message, and the value
+                it resolved to).
         """
         degrees = {axis: getattr(params, name) for axis, name in _AXIS_FIELDS}
         fixed = math.prod(d for d in degrees.values() if d != "auto")
@@ -88,15 +92,17 @@ class ParallelDims:
                 f"with --nproc_per_node={fixed}"
             )
         resolved = [int(degrees[axis]) for axis, _ in _AXIS_FIELDS]
-        pp, dp_replicate, dp_shard = resolved[:3]
+        # The config's rules skipped what an "auto" degree decides: they apply now, the same
+        # rules for a resolved degree as for a fixed one.
+        problem = degree_problem(params, {name: degree for (_, name), degree
+                                          in zip(_AXIS_FIELDS, resolved)})
+        if problem is not None:
+            problem += "".join(f" ({name}='auto' is {degrees[axis]} on {world_size} ranks)"
+                               for axis, name in _AXIS_FIELDS if axis in auto)
+            raise MeshMismatchError(problem)
+        pp = resolved[0]
         layout = pipeline_layout(params, pp) if pp > 1 else (1, 1)
-        ep = params.expert_parallel
-        if ep > 1 and (dp_shard % ep or dp_replicate > 1):
-            raise MeshMismatchError(
-                f"expert_parallel={ep} borrows its ranks from dp_shard, which resolved to "
-                f"{dp_shard} (dp_replicate={dp_replicate}) on {world_size} ranks: dp_shard "
-                f"must be a multiple of {ep} and dp_replicate 1; set the degrees so")
-        return cls(*resolved, *layout, ep=ep)
+        return cls(*resolved, *layout, ep=params.expert_parallel)
 
     @property
     def pp_stages(self) -> int:

@@ -87,7 +87,7 @@ def test_plain_lines_have_the_exact_format_and_values(monkeypatch: pytest.Monkey
         line = lines.pop(0)
         epoch = (step - 1) // 4 + 1
         # 16 samples per 0.5 s step; validation time (30 s a batch) is not training time.
-        match = re.fullmatch(rf"epoch {epoch}/3 step {step}/12 loss (\d+\.\d{{4}}) "
+        match = re.fullmatch(rf"epoch {epoch}/3 step {step}/12 loss_ema (\d+\.\d{{4}}) "
                              rf"32\.0 samples/s eta 0:00:0{(12 - step) // 2}{RSS}", line)
         assert match, line
         assert float(match.group(1)) == pytest.approx(smoothed[step - 1], abs=1e-4)
@@ -96,12 +96,34 @@ def test_plain_lines_have_the_exact_format_and_values(monkeypatch: pytest.Monkey
     assert lines == []
 
 
+def test_the_loss_is_labelled_as_smoothed_unless_it_is_the_steps_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two micro-batches a step: the step's loss is their mean, which a logger writes too.
+    clock = FakeClock(seconds_per_batch=0.25)
+    bar = ProgressBar(refresh_every_n_steps=1, smoothing=1.0, stream=io.StringIO())
+    lines = fit_plain(monkeypatch, bar, clock, n_samples=32, gradient_accumulation_steps=2)
+    step_losses = [(a + b) / 2 for a, b in zip(clock.losses[::2], clock.losses[1::2])]
+    shown = [re.search(r" loss (\d+\.\d{4}) ", line) for line in lines
+             if line.startswith("epoch")]
+    assert [float(match.group(1)) for match in shown if match] \
+        == pytest.approx(step_losses, abs=1e-4)
+    assert len(shown) == len(step_losses) == 2 and "loss_ema" not in "".join(lines)
+    # Smoothed, the value is no step's loss, and the label says so.
+    clock = FakeClock(seconds_per_batch=0.25)
+    bar = ProgressBar(refresh_every_n_steps=1, smoothing=0.5, stream=io.StringIO())
+    lines = fit_plain(monkeypatch, bar, clock, n_samples=32, gradient_accumulation_steps=2)
+    step_losses = [(a + b) / 2 for a, b in zip(clock.losses[::2], clock.losses[1::2])]
+    last = re.search(r" loss_ema (\d+\.\d{4}) ", lines[1])
+    assert last and float(last.group(1)) == pytest.approx(ema(step_losses, 0.5)[1], abs=1e-4)
+    assert " loss " not in "".join(lines)
+
+
 def test_max_steps_sets_the_totals_and_the_last_step_refreshes(
         monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock(seconds_per_batch=1.0)
     bar = ProgressBar(refresh_every_n_steps=4, stream=io.StringIO())
     lines = fit_plain(monkeypatch, bar, clock, n_epochs=5, n_samples=32, max_steps=6)
-    progress = [line.split(" loss ")[0] for line in lines if line.startswith("epoch")]
+    progress = [line.split(" loss_ema ")[0] for line in lines if line.startswith("epoch")]
     assert progress == ["epoch 1/2 step 4/6", "epoch 2/2 step 6/6"]
     assert lines[-1].startswith("validation epoch 2: val_loss=")
     assert re.search(rf" 8\.0 samples/s eta 0:00:02{RSS}$", lines[0])
@@ -213,7 +235,7 @@ def test_only_rank_zero_prints_and_samples_count_every_rank(tmp_path: Path) -> N
     output = check(torchrun(script)).stdout
     lines = [line for line in output.splitlines() if line.startswith(("epoch", "validation"))]
     # 64 samples over 2 ranks in batches of 8: 4 steps of 16 samples, 0.5 s each.
-    assert [line.split(" loss ")[0] for line in lines[:2]] == ["epoch 1/1 step 2/4",
-                                                               "epoch 1/1 step 4/4"]
+    assert [line.split(" loss_ema ")[0] for line in lines[:2]] == ["epoch 1/1 step 2/4",
+                                                                   "epoch 1/1 step 4/4"]
     assert re.search(rf" 32\.0 samples/s eta 0:00:01{RSS}$", lines[0])
     assert len(lines) == 3 and lines[2].startswith("validation epoch 1: val_loss=")

@@ -7,8 +7,9 @@ import torch
 from pydantic import ValidationError
 
 from dream_trainer import BaseTrainerConfig
-from dream_trainer.configs import TrainingParameters, apply_cli_overrides
+from dream_trainer.configs import DeviceParameters, TrainingParameters, apply_cli_overrides
 from dream_trainer.mixins import SetupConfigMixin
+from dream_trainer.world import MeshMismatchError, ParallelDims
 
 
 class ScriptConfig(BaseTrainerConfig, SetupConfigMixin):
@@ -87,3 +88,35 @@ def test_help_lists_every_field_with_its_description_and_the_scripts_value(
     assert ("Number of passes over the training data; ``None`` trains until ``max_steps`` (a "
             "stream needs no epochs). (default: 20)") in folded
     assert "Micro-batch size per rank. (default: 32)" in out
+
+
+@pytest.mark.parametrize("args", [
+    ["--device_parameters.pipeline_parallel", "2"],
+    ["--device_parameters", '{"pipeline_parallel": 2}'],
+])
+def test_a_pipeline_asked_for_on_the_command_line_means_what_it_means_in_python(
+        args: list[str]) -> None:
+    cli = apply_cli_overrides(script_config(), args).device_parameters
+    python = DeviceParameters(pipeline_parallel=2)
+    # The default config's derived dp_replicate="auto" is not taken for a choice: the
+    # pipeline's spare ranks shard its stages either way (DDP cannot wrap them).
+    assert (cli.dp_replicate, cli.dp_shard) == (python.dp_replicate, python.dp_shard) \
+        == (1, "auto")
+    assert cli.model_fields_set == python.model_fields_set == {"pipeline_parallel"}
+    dims = ParallelDims.resolve(cli, world_size=4)
+    assert dims == ParallelDims.resolve(python, world_size=4)
+    assert (dims.pp, dims.dp_replicate, dims.dp_shard) == (2, 1, 2)
+
+
+def test_a_layout_the_script_chose_stays_chosen_under_an_override() -> None:
+    # DDP named in the script is a choice: with a pipeline added it is refused as the same
+    # config written in Python is.
+    base = script_config().model_copy(update={"device_parameters": DeviceParameters.DDP()})
+    cli = apply_cli_overrides(base, ["--device_parameters.pipeline_parallel", "2"])
+    python = DeviceParameters.DDP(pipeline_parallel=2)
+    assert (cli.device_parameters.dp_replicate, cli.device_parameters.dp_shard) \
+        == (python.dp_replicate, python.dp_shard) == ("auto", 1)
+    for params in (cli.device_parameters, python):
+        with pytest.raises(MeshMismatchError, match=r"would wrap pipeline stages in DDP.* "
+                                                    r"\(dp_replicate='auto' is 2 on 4 ranks\)"):
+            ParallelDims.resolve(params, world_size=4)

@@ -14,7 +14,7 @@ from dream_trainer import BaseTrainerConfig
 from dream_trainer.callbacks import Callback, CallbackCollection
 from dream_trainer.configs import DeviceParameters, TrainingParameters
 from dream_trainer.mixins import SetupConfigMixin
-from dream_trainer.world import MeshMismatchError
+from dream_trainer.world import MeshMismatchError, ParallelDims
 
 
 class MyConfig(BaseTrainerConfig, SetupConfigMixin):
@@ -189,3 +189,52 @@ def test_expert_parallel_borrows_from_dp_shard_without_changing_the_world() -> N
     assert dims.mesh_axes() == [(MeshAxis.EFSDP, 4), (MeshAxis.EP, 2)]
     with pytest.raises(MeshMismatchError, match="dp_shard must be a multiple of 2"):
         ParallelDims.resolve(DeviceParameters(expert_parallel=2, dp_shard="auto"), world_size=3)
+
+
+@pytest.mark.parametrize(("fixed", "auto", "world_size", "resolved"), [
+    # 1F1B needs a microbatch per stage.
+    ({"pipeline_parallel": 4, "pipeline_microbatches": 1},
+     {"pipeline_parallel": "auto", "pipeline_microbatches": 1}, 4,
+     "pipeline_parallel='auto' is 4"),
+    # Interleaved microbatches run in rounds of the degree.
+    ({"pipeline_parallel": 4, "pipeline_schedule": "Interleaved1F1B", "pipeline_microbatches": 9},
+     {"pipeline_parallel": "auto", "pipeline_schedule": "Interleaved1F1B",
+      "pipeline_microbatches": 9}, 4, "pipeline_parallel='auto' is 4"),
+    ({"pipeline_parallel": 2, "param_dtype": "fp16"},
+     {"pipeline_parallel": "auto", "param_dtype": "fp16"}, 2, "pipeline_parallel='auto' is 2"),
+    # DDP under a pipeline, whichever degree decides it.
+    ({"pipeline_parallel": 2, "dp_replicate": 2},
+     {"pipeline_parallel": 2, "dp_replicate": "auto"}, 4, "dp_replicate='auto' is 2"),
+    ({"pipeline_parallel": 2, "dp_replicate": 2},
+     {"pipeline_parallel": 2, "dp_replicate": 2, "dp_shard": "auto"}, 4, "dp_shard='auto' is 1"),
+    ({"cpu_offload": True, "dp_replicate": 2, "dp_shard": 1},
+     {"cpu_offload": True, "dp_replicate": 2, "dp_shard": "auto"}, 2, "dp_shard='auto' is 1"),
+    ({"loss_parallel": True, "tensor_parallel": 1},
+     {"loss_parallel": True, "tensor_parallel": "auto"}, 1, "tensor_parallel='auto' is 1"),
+    ({"expert_parallel": 2, "dp_shard": 2, "tensor_parallel": 2},
+     {"expert_parallel": 2, "dp_shard": 2, "tensor_parallel": "auto"}, 4,
+     "tensor_parallel='auto' is 2"),
+    ({"expert_parallel": 2, "dp_shard": 3},
+     {"expert_parallel": 2, "dp_shard": "auto"}, 3, "dp_shard='auto' is 3"),
+])
+def test_an_auto_degree_is_refused_what_the_fixed_degree_is_with_the_same_message(
+        fixed: dict[str, Any], auto: dict[str, Any], world_size: int, resolved: str) -> None:
+    with pytest.raises(ValidationError) as refused:
+        DeviceParameters(**fixed)
+    message = refused.value.errors()[0]["msg"].removeprefix("Value error, ")
+    params = DeviceParameters(**auto)  # the config cannot know the degree yet
+    # Refused where the degrees are resolved for the world size, before any process group.
+    with pytest.raises(MeshMismatchError) as at_resolution:
+        ParallelDims.resolve(params, world_size)
+    assert str(at_resolution.value) == f"{message} ({resolved} on {world_size} ranks)"
+
+
+def test_derived_data_parallel_degrees_follow_the_given_fields() -> None:
+    params = DeviceParameters(pipeline_parallel=2)
+    assert params.model_fields_set == {"pipeline_parallel"}  # the derived degrees are not
+    params.pipeline_parallel = 1  # validated assignment derives them anew
+    assert (params.dp_replicate, params.dp_shard) == ("auto", 1)
+    params.pipeline_parallel = 2
+    assert (params.dp_replicate, params.dp_shard) == (1, "auto")
+    reread = DeviceParameters.model_validate_json(params.model_dump_json())
+    assert (reread.dp_replicate, reread.dp_shard) == (1, "auto")

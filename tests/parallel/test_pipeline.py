@@ -9,8 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from dream_trainer.configs import DeviceParameters
+from dream_trainer.data.loaders import pipeline_split_problem, prepare_loader
 from dream_trainer.parallel.grad_norm import clip_grad_norm
 from dream_trainer.parallel.materialize import materialize
 from dream_trainer.parallel.pipeline import (PipelineStages, describe_stage, split_model,
@@ -194,3 +196,55 @@ def test_without_a_pipeline_forward_backward_is_loss_then_backward() -> None:
     value = step_api.forward_loss(step_api.model, torch.zeros(1, 8), target=torch.zeros(1, 4),
                                   loss_fn=F.mse_loss)
     assert value.shape == () and not value.requires_grad
+
+
+def validation_loader(samples: int, batch_size: int, ranks: int, rank: int = 0,
+                      drop_last: bool = False) -> Any:
+    """A validation loader split over ``ranks`` data-parallel ranks, as setup splits it."""
+    data = TensorDataset(torch.zeros(samples, 2))
+    return prepare_loader(DataLoader(data, batch_size=batch_size, drop_last=drop_last), ranks,
+                          rank, seed=0, validation=True)
+
+
+@pytest.mark.parametrize(("loader", "microbatches", "max_batches", "message"), [
+    # 10 samples over 4 ranks: 3, 3, 2 and 2 each, so batches of 2 and 1.
+    (validation_loader(10, 2, 4), 2, None,
+     "the validation loader yields batches of 1, 2 samples (batch_size=2, 10 samples over 4 "
+     "data-parallel ranks), and a pipeline cuts every batch into pipeline_microbatches=2 equal "
+     "slices, so its batches of 1 samples cannot run: give the set a multiple of 8 samples "
+     "(batch_size x 4 data-parallel ranks), so that every rank reads full batches"),
+    # One rank: drop_last=True leaves out the short last batch.
+    (validation_loader(10, 4, 1), 4, None,
+     "the validation loader yields batches of 2, 4 samples (batch_size=4, 10 samples over 1 "
+     "data-parallel rank), and a pipeline cuts every batch into pipeline_microbatches=4 equal "
+     "slices, so its batches of 2 samples cannot run: build it with drop_last=True (which "
+     "leaves out the last 2 samples of the set)"),
+    (validation_loader(12, 3, 1), 2, None,
+     "the validation loader yields batches of 3 samples (batch_size=3, 12 samples over 1 "
+     "data-parallel rank), and a pipeline cuts every batch into pipeline_microbatches=2 equal "
+     "slices, so its batches of 3 samples cannot run: give the loader a batch_size that is a "
+     "multiple of 2"),
+    (validation_loader(10, 4, 1), 4, 2, None),  # val_steps_per_epoch=2: the short one is unread
+    (validation_loader(10, 4, 1, drop_last=True), 4, None, None),
+    (validation_loader(16, 2, 4), 2, None, None),
+    (DataLoader(TensorDataset(torch.zeros(10, 2)), batch_size=4), 4, None, None),  # unsplit
+])
+def test_a_validation_batch_the_pipeline_cannot_cut_is_named_before_it_is_read(
+        loader: Any, microbatches: int, max_batches: int | None, message: str | None) -> None:
+    assert pipeline_split_problem(loader, "validation", microbatches, max_batches) == message
+
+
+def test_the_batch_sizes_named_are_those_each_rank_reads() -> None:
+    for rank in range(4):
+        loader = validation_loader(10, 2, 4, rank)
+        assert [len(batch[0]) for batch in loader] == loader.batch_sampler.batch_sizes(rank)
+
+
+def test_a_custom_collate_is_left_to_the_check_of_each_batch() -> None:
+    # A collate function may pack or pad rows, so the sample count need not be the batch's
+    # first dimension: only reading the batch tells.
+    loader = DataLoader(TensorDataset(torch.zeros(10, 2)), batch_size=4,
+                        collate_fn=lambda rows: torch.stack([row[0] for row in rows]))
+    split = prepare_loader(loader, 1, 0, seed=0, validation=True)
+    assert pipeline_split_problem(split, "validation", 4) is None
+    assert pipeline_split_problem(validation_loader(10, 4, 1), "validation", 4) is not None

@@ -174,3 +174,4 @@ def test_ddp_replicas_of_stages_are_refused_once_resolved(results: dict[str, Any
     error = results["ddp_error"]["error"]
     assert error is not None and "pipeline_parallel=2 with dp_replicate=2 would wrap" in error
     assert "dp_replicate=1 and dp_shard='auto'" in error
+    assert error.endswith("(dp_replicate='auto' is 2 on 4 ranks)")  # by ParallelDims.resolve

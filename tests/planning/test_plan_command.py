@@ -7,15 +7,18 @@ process group and destroys it before the next, so the suite's leak guard sees no
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from dream_trainer.cli import main
 from tests.helpers.launch import REPO
 from tests.scripts.plan_trainer import BATCH, DIM, HEAD_DIM, SEQ
+from tests.scripts.plan_trainer import config as plan_config
 
 SCRIPT = REPO / "tests" / "scripts" / "plan_trainer.py"
 TARGET = f"{SCRIPT}:make_trainer"
@@ -118,6 +121,43 @@ def test_a_pipeline_plans_its_sends_on_the_pp_axis_and_needs_the_step_api(
     assert "call self.forward_backward(self.model" in capsys.readouterr().err
 
 
+def test_a_pipelines_batches_that_cannot_be_cut_are_refused_at_setup(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # A plan runs setup and one training step, never validation: what it reports, setup
+    # raised. 10 validation samples over the 4 data-parallel ranks leave batches of 1.
+    pipeline = '{"pipeline_parallel": 2, "dp_shard": "auto", "pipeline_microbatches": 2}'
+    assert main(["plan", f"{SCRIPT}:make_pipeline_trainer", "--world-size", "8", "--json", "--",
+                 "--device_parameters", pipeline, "--val_samples", "10"]) == 1
+    assert ("world size 8: rank 0 would fail with ValueError: the validation loader yields "
+            "batches of 1, 2 samples (batch_size=2, 10 samples over 4 data-parallel ranks), and "
+            "a pipeline cuts every batch into pipeline_microbatches=2 equal slices, so its "
+            "batches of 1 samples cannot run: give the set a multiple of 8 samples") \
+        in capsys.readouterr().err
+    # pipeline_parallel="auto": the config cannot check the batch size against the
+    # microbatches, which setup does once the degree is known, with the config's message.
+    with pytest.raises(ValidationError) as fixed:
+        plan_config(["--device_parameters", '{"pipeline_parallel": 2}',
+                     "--training_parameters.train_batch_size", "3"])
+    message = fixed.value.errors()[0]["msg"].removeprefix("Value error, ")
+    assert main(["plan", f"{SCRIPT}:make_pipeline_trainer", "--world-size", "2", "--json", "--",
+                 "--device_parameters", '{"pipeline_parallel": "auto", "dp_shard": 1}',
+                 "--training_parameters.train_batch_size", "3"]) == 1
+    assert f"world size 2: rank 0 would fail with ValueError: {message}\n" \
+        in capsys.readouterr().err
+
+
+def test_the_plan_carries_no_torch_warnings(capsys: pytest.CaptureFixture[str]) -> None:
+    # DTensor warns of its random ops on a CPU mesh as tensor-parallel weights initialize.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["plan", TARGET, "--world-size", "8", *FSDP_TP]) == 0
+        assert main(["plan", TARGET, "--world-size", "8", "--json", *FSDP_TP]) == 0
+    assert [str(warning.message) for warning in caught] == []
+    out, err = capsys.readouterr()
+    assert "world size  mesh" in out and '"world_size": 8' in out
+    assert "Warning" not in out + err
+
+
 def test_a_pipelined_tied_transformers_decoder_with_checkpoints_plans_on_every_rank(
         capsys: pytest.CaptureFixture[str], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,8 +170,11 @@ def test_a_pipelined_tied_transformers_decoder_with_checkpoints_plans_on_every_r
     tiny = ["--llama.hidden_size", "32", "--llama.intermediate_size", "64",
             "--llama.num_hidden_layers", "2", "--llama.context", "32",
             "--llama.tie_word_embeddings", "true"]
+    # Two validation batches a pass: the set's 151 windows leave each of the 4 data-parallel
+    # ranks a short third batch of 5 or 6, which 2 microbatches cannot cut (refused at setup).
     assert main(["plan", example, "--world-size", "8", "--json", "--",
-                 "--device_parameters.pipeline_parallel", "2", *tiny]) == 0
+                 "--device_parameters.pipeline_parallel", "2", *tiny,
+                 "--training_parameters.val_steps_per_epoch", "2"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["mesh"] == {"pp": 2, "dp_shard": 4}
     hidden = 8 // 2 * 32 * 32 * 4  # one pipeline microbatch's float32 hidden states

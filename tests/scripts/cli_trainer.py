@@ -29,6 +29,8 @@ class CliConfig(DreamTrainerConfig):
     """Width of the hidden layer."""
     samples: int = 64
     """Training samples (validation gets a quarter as many)."""
+    warmup_steps: int = 0
+    """Steps of a linear learning-rate warmup from 0 (a ``LambdaLR``); 0: no scheduler."""
 
 
 class CliTrainer(DreamTrainer):
@@ -40,6 +42,12 @@ class CliTrainer(DreamTrainer):
 
     def configure_optimizers(self) -> None:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.learning_rate)
+
+    def configure_schedulers(self) -> None:
+        warmup = self.config.warmup_steps
+        if warmup:
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lambda step: min(1.0, step / warmup))
 
     def configure_dataloaders(self) -> tuple[DataLoader[Any], DataLoader[Any]]:
         generator = torch.Generator().manual_seed(0)

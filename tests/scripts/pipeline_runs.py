@@ -244,11 +244,11 @@ def run(mode: str) -> dict[str, Any]:
 
 
 def ddp_error() -> dict[str, Any]:
-    """dp_replicate='auto' next to a 2-stage pipeline on 4 ranks resolves to DDP replicas."""
+    """dp_replicate='auto' next to a 2-stage pipeline on 4 ranks resolves to DDP replicas,
+    refused as the degrees are resolved: when the trainer is built."""
     params = DeviceParameters(dp_replicate="auto", pipeline_parallel=2)
-    trainer = Recording(transformer_config(params, 8))
     try:
-        trainer.fit()
+        Recording(transformer_config(params, 8)).fit()
     except ValueError as error:
         return {"error": str(error)}
     return {"error": None}

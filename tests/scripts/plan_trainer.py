@@ -75,6 +75,8 @@ class PlannedGPT(nn.Module):
 class PlanConfig(BaseTrainerConfig, SetupConfigMixin):
     samples: int = 2048
     """Sequences in the train loader: one batch per rank at 1,024 data-parallel ranks."""
+    val_samples: int = 0
+    """Sequences in a validation loader of ``train_batch_size`` batches; 0: no validation."""
     plan_rows: int | None = None
     """Rows of ``plan_batch()``'s tensors; ``None``: ``train_batch_size``, as it should be."""
     print_loss: bool = False
@@ -101,11 +103,14 @@ class LoaderPlanTrainer(BaseTrainer, SetupMixin):
     def configure_optimizers(self) -> None:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
 
-    def configure_dataloaders(self) -> tuple[DataLoader[Any], None]:
-        tokens = torch.randint(0, VOCAB, (self.config.samples, SEQ + 1),
-                               generator=torch.Generator().manual_seed(0))
-        return DataLoader(TensorDataset(tokens), drop_last=True,
-                          batch_size=self.config.training_parameters.train_batch_size), None
+    def configure_dataloaders(self) -> tuple[DataLoader[Any], DataLoader[Any] | None]:
+        tokens = torch.randint(0, VOCAB, (self.config.samples + self.config.val_samples,
+                                          SEQ + 1), generator=torch.Generator().manual_seed(0))
+        batch_size = self.config.training_parameters.train_batch_size
+        train = DataLoader(TensorDataset(tokens[:self.config.samples]), drop_last=True,
+                           batch_size=batch_size)
+        val = DataLoader(TensorDataset(tokens[self.config.samples:]), batch_size=batch_size)
+        return train, val if self.config.val_samples else None
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         (tokens,) = batch
