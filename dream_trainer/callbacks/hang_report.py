@@ -6,36 +6,100 @@ recorder's collectives (sequence number, operation, sizes, whether finished). ``
 reads every rank's file and says which ranks are behind, the first collective they never
 entered (by process group, mesh axis and sequence number) and the frame each is in; where
 the backend recorded no collectives, it judges from the stacks alone and says so.
-``dream-trainer diagnose DIR`` prints it.
+``report_once`` has one rank print it before any ended rank exits; ``dream-trainer diagnose
+DIR`` prints it again later, after checking every record against the format written here.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
+import stat
 import sys
 import sysconfig
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
+from pydantic import Field, FiniteFloat, TypeAdapter, ValidationError
+from typing_extensions import TypedDict
+
+from dream_trainer.callbacks.hang_files import write_file
 
 RECORD = "hang_rank{rank}.json"
+EMITTED = "hang_verdict.json"
+"""Names the records the verdict printed during the hang covered (see ``report_once``)."""
+MAX_WORLD_SIZE = 1 << 20
+"""The most ranks a record may claim: far above any run, far below what exhausts memory."""
+_POLL = 0.1
 _LIBRARIES = tuple(str(Path(p).resolve()) for p in {
     sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
     sysconfig.get_paths()["platlib"], str(Path(torch.__file__).parent),
     str(Path(__file__).resolve().parents[1])})
 
 
+class _Frame(TypedDict):
+    file: str
+    line: int
+    function: str
+
+
+class _Group(TypedDict):
+    axis: str
+    ranks: list[int]
+
+
+class _Progress(TypedDict):
+    enqueued: int
+    completed: int
+
+
+class _Collective(TypedDict):
+    group: str
+    sequence: int
+    op: str
+    sizes: Any
+    finished: bool
+    created_ns: int | None
+
+
+class Record(TypedDict):
+    """One rank's ``hang_rank<R>.json``, as ``write_record`` writes it."""
+
+    run: str
+    written: FiniteFloat
+    rank: Annotated[int, Field(ge=0)]
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)]
+    global_step: int
+    epoch: int
+    stuck_seconds: FiniteFloat
+    stack: list[_Frame]
+    groups: dict[str, _Group]
+    recorder: str | None
+    status: dict[str, _Progress]
+    entries: list[_Collective]
+
+
+class _Emitted(TypedDict):
+    run: str
+    records: dict[int, float]
+
+
+_RECORD = TypeAdapter(Record)
+_EMITTED = TypeAdapter(_Emitted)
+
+
 def write_record(directory: Path, run: str, rank: int, world_size: int, step: int, epoch: int,
                  stuck: float, mesh: Any | None) -> Path:
-    """Write this rank's ``hang_rank<R>.json`` (atomically) and return its path.
+    """Write this rank's ``hang_rank<R>.json`` (as a whole, never through a symlink) and
+    return its path.
 
     Args:
         run: Names the run (the same on every rank), so that records left in ``directory``
@@ -49,12 +113,8 @@ def write_record(directory: Path, run: str, rank: int, world_size: int, step: in
               "global_step": step, "epoch": epoch,
               "stuck_seconds": round(stuck, 1), "stack": frames, "groups": _groups(mesh),
               **_collectives()}
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / RECORD.format(rank=rank)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(record, indent=1))
-    os.replace(temporary, path)
-    return path
+    return write_file(directory, RECORD.format(rank=rank),
+                      json.dumps(record, indent=1).encode())
 
 
 def _groups(mesh: Any | None) -> dict[str, dict[str, Any]]:
@@ -96,13 +156,57 @@ def _collectives() -> dict[str, Any]:
             "entries": entries}
 
 
-def wait_for_records(directory: Path, run: str, world_size: int, seconds: float) -> None:
-    """Wait up to ``seconds`` until every rank of ``run`` has written its record."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if len(read_records(directory, run, missing_ok=True)) == world_size:
-            return
-        time.sleep(0.1)
+def report_once(directory: Path, run: str, rank: int, world_size: int, wait: float,
+                emit: Callable[[str], None]) -> bool:
+    """Have one rank emit the verdict on ``run``'s hang before any ended rank returns.
+
+    Each ended rank calls this after writing its record and exits when it returns. It waits up
+    to ``wait`` seconds for every rank's record. The lowest rank among them then emits the
+    verdict and marks it out (``hang_verdict.json`` lists the records it covered); each other
+    rank waits, up to ``wait`` seconds more, until the mark covers its own record, and emits
+    a verdict itself if none does. No rank returns before a verdict with its record is out,
+    whichever watchdog fired first: torchrun's agent, which ends every rank once one exits,
+    finds it printed. The others cannot count on outliving the first to exit (SIGTERM ends a
+    rank blocked in a collective at once; a Python handler would run only in its main
+    thread), and every rank printing it would repeat it once per rank. The printer is the
+    lowest rank with a record rather than rank 0, so that a verdict comes out when rank 0
+    wrote none (ended before its watchdog fired, or its files on another host's disk).
+
+    Returns:
+        Whether this rank emitted the verdict.
+    """
+    deadline = time.monotonic() + wait
+    records = read_records(directory, run, lenient=True)
+    while len(records) < world_size and time.monotonic() < deadline:
+        time.sleep(_POLL)
+        records = read_records(directory, run, lenient=True)
+    mine = records.get(rank)
+    if mine is not None and rank != min(records):
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            covered = _emitted(directory, run)
+            if covered.get(rank) == mine["written"]:
+                return False
+            if any(records[r]["written"] == written for r, written in covered.items()
+                   if r in records):
+                break  # out for this hang, but without this rank's record: emit a fuller one
+            time.sleep(_POLL)
+        records = read_records(directory, run, lenient=True)
+    emit(verdict(records))
+    # Marked only once emitted: a rank that sees the mark exits, and may so end this one.
+    write_file(directory, EMITTED, json.dumps(
+        {"run": run, "records": {r: record["written"] for r, record in records.items()}
+         }).encode())
+    return True
+
+
+def _emitted(directory: Path, run: str) -> dict[int, float]:
+    """Rank -> the ``written`` time of each record the emitted verdict on ``run`` covered."""
+    try:
+        mark = _EMITTED.validate_json((directory / EMITTED).read_bytes())
+    except (OSError, ValidationError):  # none yet
+        return {}
+    return mark["records"] if mark["run"] == run else {}
 
 
 SAME_HANG = 600.0
@@ -110,29 +214,82 @@ SAME_HANG = 600.0
 
 
 def read_records(directory: Path, run: str | None = None,
-                 missing_ok: bool = False) -> dict[int, dict[str, Any]]:
+                 lenient: bool = False) -> dict[int, Record]:
     """The records in ``directory`` of ``run`` (by default the newest record's run), by rank,
     leaving out any written long before the newest (an earlier hang of the same run).
 
+    Args:
+        lenient: Leave out files that are not valid records, and return an empty dict when
+            there is none, instead of raising.
+
     Raises:
-        FileNotFoundError: if there is none (unless ``missing_ok``).
+        FileNotFoundError: if there is no record.
+        ValueError: if a file is not a valid record, naming it and what is wrong, or the
+            records of the run disagree on its world size.
     """
-    found = []
+    found: list[tuple[Path, Record]] = []
     for path in sorted(directory.glob("hang_rank*.json")):
         try:
-            found.append(json.loads(path.read_text()))
-        except (OSError, ValueError):  # being replaced by its writer
-            continue
+            found.append((path, _load(path)))
+        except ValueError:
+            if not lenient:
+                raise
     if run is None and found:
-        run = max(found, key=lambda record: record["written"])["run"]
-    mine = [record for record in found if record["run"] == run]
-    newest = max((record["written"] for record in mine), default=0.0)
-    records = {int(record["rank"]): record for record in mine
-               if record["written"] > newest - SAME_HANG}
-    if not records and not missing_ok:
+        run = max(found, key=lambda item: item[1]["written"])[1]["run"]
+    mine = [(path, record) for path, record in found if record["run"] == run]
+    newest = max((record["written"] for _, record in mine), default=0.0)
+    mine = [item for item in mine if item[1]["written"] > newest - SAME_HANG]
+    sizes = {record["world_size"]: path for path, record in mine}
+    if len(sizes) > 1 and not lenient:
+        claims = ", ".join(f"{path.name} says {size}" for size, path in sizes.items())
+        raise ValueError(f"the records of run {run!r} in {directory} disagree on its world "
+                         f"size ({claims}): move the records of other runs out of it")
+    records = {record["rank"]: record for _, record in sorted(
+        mine, key=lambda item: item[1]["written"])}
+    if not records and not lenient:
         raise FileNotFoundError(f"no hang_rank<R>.json in {directory}: HangWatchdog writes them "
                                 "to its trace_dir when it ends a hung rank")
     return records
+
+
+def _load(path: Path) -> Record:
+    """``path`` as a record, checked against the format ``write_record`` writes.
+
+    Raises:
+        ValueError: naming ``path`` and what is wrong with it.
+    """
+    try:
+        record = _RECORD.validate_json(_read_regular(path))
+    except OSError as exc:
+        raise ValueError(f"{path} cannot be read ({exc.strerror or exc}): move it out of the "
+                         "directory to judge from the other records") from None
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, error['loc'])) or 'its content'}: {error['msg']}"
+            for error in exc.errors(include_url=False)[:3])
+        raise ValueError(f"{path} is not a hang record as HangWatchdog writes it ({problems}): "
+                         "move it out of the directory to judge from the other records") \
+            from None
+    if record["rank"] >= record["world_size"]:
+        raise ValueError(f"{path} is not a hang record as HangWatchdog writes it (rank "
+                         f"{record['rank']} is not below its world_size "
+                         f"{record['world_size']}): move it out of the directory to judge "
+                         "from the other records")
+    return record
+
+
+def _read_regular(path: Path) -> bytes:
+    """The bytes of ``path`` if it is a regular file (a symlink to one included).
+
+    Raises:
+        OSError: if it cannot be read or is something else: a device (``/dev/zero`` would
+            never end) or a FIFO (which would block), opened without blocking to find out.
+    """
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(descriptor, "rb") as file:
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        return file.read()
 
 
 def where(record: Mapping[str, Any]) -> str:
@@ -153,12 +310,11 @@ def _in_collective(record: Mapping[str, Any]) -> bool:
 def verdict(records: Mapping[int, Mapping[str, Any]]) -> str:
     """One report of who is behind, in which collective, and where each lagging rank is."""
     world_size = max(int(r["world_size"]) for r in records.values())
-    missing = sorted(set(range(world_size)) - set(records))
     lines = [f"hang verdict over {len(records)} of {world_size} ranks "
              f"(global steps: {_steps(records)})"]
-    if missing:
-        lines.append(f"no record from ranks {missing}: they wrote none (killed first, or their "
-                     "files are on another machine's disk)")
+    if len(records) < world_size:
+        lines.append(f"no record from ranks [{_absent(records, world_size)}]: they wrote none "
+                     "(killed first, or their files are on another machine's disk)")
     stuck = _first_disagreement(records)
     if stuck is None:
         lines += _from_stacks(records)
@@ -173,6 +329,18 @@ def verdict(records: Mapping[int, Mapping[str, Any]]) -> str:
         lines.append(f"rank {rank} waits in {op} #{sequence} on {axis}, at "
                      f"{where(records[rank])}")
     return "\n".join(lines)
+
+
+def _absent(present: Iterable[int], world_size: int) -> str:
+    """The ranks below ``world_size`` not in ``present``, runs of them as ``first-last``: a
+    record claiming a million ranks costs a short line, not a list of a million."""
+    spans = []
+    start = 0
+    for rank in [*sorted(present), world_size]:
+        if rank > start:
+            spans.append(str(start) if rank == start + 1 else f"{start}-{rank - 1}")
+        start = rank + 1
+    return ", ".join(spans)
 
 
 def _steps(records: Mapping[int, Mapping[str, Any]]) -> str:

@@ -6,7 +6,6 @@ import faulthandler
 import math
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -15,8 +14,8 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 from typing_extensions import override
 
-from dream_trainer.callbacks.hang_report import (read_records, verdict, wait_for_records,
-                                                 write_record)
+from dream_trainer.callbacks.hang_files import private_trace_dir, write_file
+from dream_trainer.callbacks.hang_report import report_once, write_record
 from dream_trainer.trainer.callback import Callback
 
 
@@ -37,20 +36,28 @@ class HangWatchdog(Callback):
 
     Each ended rank also writes ``<trace_dir>/hang_rank<R>.json`` (its step, the frames of its
     main thread, its process groups by mesh axis, its recorded collectives) and waits up to
-    ``report_wait`` seconds for the others'; rank 0 then prints one verdict: the ranks behind,
-    the first collective they never entered (sequence number and mesh axis) and the frame each
-    is in (see ``hang_report``; ``dream-trainer diagnose DIR`` prints it afterwards).
+    ``report_wait`` seconds for the others'; one rank (the lowest with a record) then prints
+    the verdict: the ranks behind, the first collective they never entered (sequence number
+    and mesh axis) and the frame each is in. No ended rank exits before it is printed, so a
+    launcher that ends the others once one exits cannot cut it off, whichever rank's watchdog
+    fired first (see ``hang_report.report_once``; ``dream-trainer diagnose DIR`` prints it
+    afterwards). Files are written to a fresh name and renamed into place, never through a
+    symlink (``hang_files``).
 
     Args:
         timeout: Seconds without a finished batch before the process is ended. Allow for the
             slowest legitimate gap: a checkpoint save, a validation pass's first batch.
-        trace_dir: Where the flight recorder dumps and the hang records go; the system's
-            temporary directory when None.
-        report_wait: Seconds each ended rank waits for the other ranks' records before it
-            exits; rank 0 then prints the verdict from those it has.
+        trace_dir: Where the flight recorder dumps and the hang records go; when None, the
+            run's directory in this user's private one,
+            ``<temp>/dream_trainer-<uid>/<project>/<group>/<experiment>/hang``, resolved at
+            ``pre_fit``.
+        report_wait: Seconds each ended rank waits for the other ranks' records, and then
+            for the verdict, before it exits.
 
     Raises:
         ValueError: if ``timeout`` is not a positive, finite number of seconds.
+        PermissionError: at ``pre_fit``, if ``<temp>/dream_trainer-<uid>`` is not a private
+            directory of this user (only when ``trace_dir`` is None).
     """
 
     def __init__(self, timeout: float, trace_dir: str | Path | None = None,
@@ -63,7 +70,8 @@ class HangWatchdog(Callback):
                              f"seconds, got {report_wait}")
         self.report_wait = float(report_wait)
         self.timeout = float(timeout)
-        self.trace_dir = Path(trace_dir if trace_dir is not None else tempfile.gettempdir())
+        self._requested_dir = None if trace_dir is None else Path(trace_dir)
+        self.trace_dir: Path | None = self._requested_dir
         # time.monotonic() of the last progress; None while disarmed. Plain attribute reads and
         # writes are atomic under the GIL, so the watcher thread needs no lock.
         self._last_progress: float | None = None
@@ -79,9 +87,14 @@ class HangWatchdog(Callback):
     @override
     def pre_fit(self) -> None:
         self._halt()
+        # Resolved here, not at the hang: a directory another user planted fails the run now,
+        # with the fix, instead of costing the report.
+        config = self.trainer.config
+        self.trace_dir = self._requested_dir or private_trace_dir(
+            config.project, config.group, config.experiment)
         # A fresh event per thread: a thread left over from an earlier fit() cannot revive.
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, args=(self._stop,),
+        self._thread = threading.Thread(target=self._watch, args=(self._stop, self.trace_dir),
                                         name="dream_trainer-hang-watchdog", daemon=True)
         self._thread.start()
 
@@ -109,7 +122,7 @@ class HangWatchdog(Callback):
             self._thread.join()
             self._thread = None
 
-    def _watch(self, stop: threading.Event) -> None:
+    def _watch(self, stop: threading.Event, directory: Path) -> None:
         poll = min(1.0, self.timeout / 4)
         while not stop.wait(poll):
             last = self._last_progress
@@ -117,9 +130,9 @@ class HangWatchdog(Callback):
                 continue
             stuck = time.monotonic() - last
             if stuck > self.timeout:
-                self._abort(stuck)
+                self._abort(stuck, directory)
 
-    def _abort(self, stuck: float) -> NoReturn:
+    def _abort(self, stuck: float, directory: Path) -> NoReturn:
         """Report the hang on stderr and end the process with exit code 1."""
         # os._exit, not an exception: the main thread may be blocked inside a C collective
         # where no Python exception can reach it. The finally makes sure a failed report
@@ -133,28 +146,32 @@ class HangWatchdog(Callback):
                   file=sys.stderr, flush=True)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             sys.stderr.flush()
-            self._dump_flight_recorder(trainer.world.rank)
-            self._report(stuck)
+            self._dump_flight_recorder(trainer.world.rank, directory)
+            self._report(stuck, directory)
+        except Exception as exc:  # said, not raised: the process must end all the same
+            print(f"HangWatchdog: the hang report failed: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
         finally:
             os._exit(1)
 
-    def _report(self, stuck: float) -> None:
-        """Write this rank's record, wait for the other ranks' and, on rank 0, print the
-        verdict. Every rank waits, so none exits (and has its launcher end the others) before
-        all have written."""
+    def _report(self, stuck: float, directory: Path) -> None:
+        """Write this rank's record and return once the verdict over it is printed, by this
+        rank or another (``report_once``)."""
         trainer = self.trainer
         world = trainer.world
         config = trainer.config
         run = f"{config.project}/{config.group}/{config.experiment}#{world.env.restart_count}"
-        write_record(self.trace_dir, run, world.rank, world.world_size, trainer.global_step,
+        write_record(directory, run, world.rank, world.world_size, trainer.global_step,
                      trainer.current_epoch, stuck, world.mesh)
-        wait_for_records(self.trace_dir, run, world.world_size, self.report_wait)
-        if world.rank == 0:
-            print(verdict(read_records(self.trace_dir, run)), file=sys.stderr, flush=True)
-            print(f"HangWatchdog: the records are in {self.trace_dir}; `dream-trainer diagnose "
-                  f"{self.trace_dir}` prints this verdict again", file=sys.stderr, flush=True)
 
-    def _dump_flight_recorder(self, rank: int) -> None:
+        def emit(text: str) -> None:
+            print(f"{text}\nHangWatchdog: the records are in {directory}; `dream-trainer "
+                  f"diagnose {directory}` prints this verdict again", file=sys.stderr,
+                  flush=True)
+
+        report_once(directory, run, world.rank, world.world_size, self.report_wait, emit)
+
+    def _dump_flight_recorder(self, rank: int, directory: Path) -> None:
         """Write the flight recorder's pickled entries, if a process group records them."""
         if not (dist.is_available() and dist.is_initialized()):
             return
@@ -168,9 +185,6 @@ class HangWatchdog(Callback):
             print("HangWatchdog: this torch has no flight recorder to dump", file=sys.stderr,
                   flush=True)
             return
-        path = self.trace_dir / f"flight_recorder_{rank}"
-        data = dump()
-        self.trace_dir.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+        path = write_file(directory, f"flight_recorder_{rank}", dump())
         print(f"HangWatchdog: flight recorder of rank {rank} written to {path}",
               file=sys.stderr, flush=True)

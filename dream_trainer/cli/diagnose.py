@@ -17,7 +17,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         description="Read the hang_rank<R>.json records that HangWatchdog wrote when it ended "
                     "a hung run (its trace_dir) and print the verdict: which ranks were "
                     "behind, the first collective they never entered (sequence number and "
-                    "mesh axis), and the frame each rank was in.")
+                    "mesh axis), and the frame each rank was in. A file that is not such a "
+                    "record is named as an error (exit code 1).")
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR",
                         help="the directory with the records (HangWatchdog's trace_dir)")
     parser.set_defaults(run=run, takes_overrides=False)
@@ -27,7 +28,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         records = read_records(args.run_dir)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:  # the message names the file and the fix
         print(f"dream-trainer diagnose: error: {exc}", file=sys.stderr)
         return 1
     print(verdict(records))

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
 import re
+import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -17,10 +21,16 @@ import pytest
 from dream_trainer.callbacks import Callback
 from dream_trainer.callbacks.hang_report import read_records, verdict
 from dream_trainer.callbacks.hang_watchdog import HangWatchdog
-from tests.helpers.launch import REPO, check, child_env, outputs_of, spawn_ranks
+from tests.helpers.launch import REPO, check, child_env, free_port, outputs_of, spawn_ranks
 from tests.helpers.toy import ToyTrainer, toy_config
 
 SCRIPT = REPO / "tests/scripts/hang_run.py"
+
+
+@pytest.fixture(autouse=True)
+def _private_temp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default trace_dir is made in the system's temporary directory: this test's."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 class WatchingProbe(Callback):
@@ -116,6 +126,68 @@ def test_hung_rank_and_its_blocked_peers_are_ended_with_their_stacks_and_a_verdi
     assert diagnosed.returncode == 0 and expected in diagnosed.stdout, diagnosed.stderr
 
 
+def run_torchrun(arguments: list[str], env: dict[str, str], timeout: float) -> str:
+    """Run the real torchrun agent with ``arguments``; return its stderr. Its workers share
+    its session, so a launch that times out is ended whole."""
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *arguments],
+                             env=child_env(env), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        return agent.communicate(timeout=timeout)[1]
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+
+
+@pytest.mark.distributed
+def test_under_torchrun_the_verdict_is_printed_whichever_rank_fires_first(
+        tmp_path: Path) -> None:
+    # One launch of the real agent, which ends every rank once one exits; its restarts run the
+    # hang three times, the watchdogs firing in the order hang_run.ORDERS forces each time:
+    # rank 0 first and rank 1 last; rank 3 first and rank 0 last; rank 0 not at all.
+    logs = tmp_path / "logs"
+    agent = run_torchrun(["--nnodes=1", "--nproc_per_node=4", "--max-restarts=2",
+                          "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+                          "--rdzv_id=hang-orders", f"--log-dir={logs}", "--redirects=3",
+                          str(SCRIPT), "orders"], {"TMPDIR": str(tmp_path)}, timeout=400)
+    # The default trace_dir, in this user's private directory: the ranks of an attempt (a run
+    # of its own) agree on it.
+    base = tmp_path / f"dream_trainer-{os.getuid()}"
+    info = os.lstat(base)
+    assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700, agent
+    assert info.st_uid == os.getuid()
+    line = next(number for number, text in enumerate(SCRIPT.read_text().splitlines(), 1)
+                if text.strip().endswith("# the hang"))
+    for attempt, (first, last) in enumerate([(0, 1), (3, 0), (None, None)]):
+        outputs = [next(logs.glob(f"*/attempt_{attempt}/{rank}/stderr.log")).read_text()
+                   for rank in range(4)]
+        assert all(f"attempt {attempt} starts" in output for output in outputs), outputs
+        trace_dir = base / f"toy/tests/attempt{attempt}/hang"
+        records = read_records(trace_dir, f"toy/tests/attempt{attempt}#{attempt}")
+        printed = [(rank, block) for rank, output in enumerate(outputs)
+                   for block in output.split("hang verdict over ")[1:]]
+        if first is None:
+            # Rank 0 was ended before its watchdog fired: rank 1 printed what the others wrote.
+            assert sorted(records) == [1, 2, 3], (attempt, outputs)
+            assert "HangWatchdog: rank 0" not in outputs[0], outputs[0]
+            assert any(rank == 1 and block.startswith("3 of 4 ranks") and
+                       "\nno record from ranks [0]: they wrote none" in block
+                       for rank, block in printed), (attempt, outputs)
+            continue
+        by_time = sorted(records, key=lambda rank: records[rank]["written"])
+        assert (by_time[0], by_time[-1]) == (first, last), by_time
+        # Printed once, by rank 0, whichever rank exited first and was ended by torchrun.
+        assert [rank for rank, _ in printed] == [0], (attempt, outputs)
+        block = printed[0][1]
+        assert block.startswith("4 of 4 ranks (global steps: rank 0: 2, rank 1: 2, "), block
+        assert "ranks [0, 2, 3] entered all_reduce" in block, block
+        assert "rank 1 never entered all_reduce" in block, block
+        assert f"hang_run.py:{line} in training_step" in block, block
+        assert f"HangWatchdog: the records are in {trace_dir}" in block, block
+    assert "exitcode  : 1" in agent, agent
+
+
 def test_without_collective_records_the_verdict_comes_from_the_stacks(tmp_path: Path) -> None:
     def record(rank: int, stack: list[tuple[str, int, str]]) -> None:
         frames = [{"file": f, "line": n, "function": name} for f, n, name in stack]
@@ -137,8 +209,9 @@ def test_without_collective_records_the_verdict_comes_from_the_stacks(tmp_path: 
         read_records(tmp_path / "empty")
 
 
-def test_slow_progress_setup_and_stop_training_are_not_hangs() -> None:
-    result = check(subprocess.run([sys.executable, str(SCRIPT), "progress"], env=child_env(),
+def test_slow_progress_setup_and_stop_training_are_not_hangs(tmp_path: Path) -> None:
+    result = check(subprocess.run([sys.executable, str(SCRIPT), "progress"],
+                                  env=child_env({"TMPDIR": str(tmp_path)}),
                                   capture_output=True, text=True, timeout=60))
     assert "survived; watching=False" in result.stdout
     assert "HangWatchdog" not in result.stderr

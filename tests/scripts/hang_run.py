@@ -7,6 +7,12 @@ broken connection; rank 1's (6 s) ends rank 1. Every rank dumps its flight recor
 writes its record to the directory given as the second argument, and rank 0 prints the
 verdict.
 
+``orders`` (4 ranks under torchrun with ``--max-restarts=2``, the default trace_dir): the
+same hang once per attempt, the ranks' watchdogs firing in the order ``ORDERS`` gives for it
+(``TORCHELASTIC_RESTART_COUNT``), each into the default trace_dir of its own experiment
+``attempt<N>``: rank 0 first and rank 1 last; rank 3 first and rank 0 last;
+ranks 1-3 together while rank 0's would fire only after torchrun has ended it.
+
 ``progress`` (1 process): setup, and every step, are slow but each within the timeout or before
 the watchdog arms; StopTraining then ends fit() without post_fit, and the process lives on
 past the timeout. It must print "survived" and exit 0.
@@ -61,6 +67,26 @@ def hang() -> None:
     print("finished without hanging")
 
 
+# Per attempt: each rank's timeout, and report_wait. A rank's watchdog checks every
+# min(1, timeout / 4) s, so the first (2 s) fires by 2.5 s and the last (5 s) from 5 s on.
+ORDERS = {0: ((2.0, 5.0, 3.0, 3.0), 30.0),
+          1: ((5.0, 3.0, 3.0, 2.0), 30.0),
+          2: ((600.0, 2.0, 2.0, 2.0), 3.0)}
+
+
+def orders() -> None:
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    timeouts, report_wait = ORDERS[attempt]
+    print(f"attempt {attempt} starts", file=sys.stderr, flush=True)
+    watchdog = HangWatchdog(timeout=timeouts[int(os.environ["RANK"])], report_wait=report_wait)
+    # An experiment per attempt, so each attempt's records keep a directory of their own.
+    config = toy_config(callbacks=[watchdog], n_epochs=5, n_samples=320,
+                        device_parameters=DeviceParameters(flight_recorder_entries=200)
+                        ).model_copy(update={"experiment": f"attempt{attempt}"})
+    SleepsOnRankOne(config).fit()
+    print("finished without hanging")
+
+
 def progress() -> None:
     watchdog = HangWatchdog(timeout=SlowButProgressing.TIMEOUT)
     trainer = SlowButProgressing(toy_config(callbacks=[watchdog, StopAfterFirstEpoch()],
@@ -71,4 +97,4 @@ def progress() -> None:
 
 
 if __name__ == "__main__":
-    {"hang": hang, "progress": progress}[sys.argv[1]]()
+    {"hang": hang, "orders": orders, "progress": progress}[sys.argv[1]]()
