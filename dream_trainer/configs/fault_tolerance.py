@@ -3,9 +3,11 @@ group is, and how long to wait for the others (torchft)."""
 
 from __future__ import annotations
 
+import ipaddress
+import math
 from datetime import timedelta
 
-from pydantic import NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import NonNegativeInt, PositiveInt, model_validator
 
 from dream_trainer.configs.base import ConfigModel
 
@@ -20,9 +22,16 @@ class FaultToleranceParameters(ConfigModel):
     live state from a peer.
     """
 
-    lighthouse: str = "http://localhost:29510"
+    lighthouse: str = "http://127.0.0.1:29510"
     """Address of the torchft lighthouse, ``http://HOST:PORT`` (printed by
     ``dream-trainer lighthouse``; 29510 is its default port)."""
+    bind_address: str = "127.0.0.1"
+    """The IP address every listener of this group binds to (its manager, store, state
+    server and cross-group gloo) and that peers are told to connect to. The default keeps
+    them on this host; give this host's address on the network the groups share when they
+    run on several hosts (it differs per host). ``0.0.0.0`` or ``::`` listens on every
+    interface (peers are then given the host name), with a warning: only on a trusted
+    network."""
     replica_id: NonNegativeInt = 0
     """This group's index, ``0 <= replica_id < replica_groups``: which share of the training
     data it reads. A group that is started again keeps its index."""
@@ -44,7 +53,7 @@ class FaultToleranceParameters(ConfigModel):
     max_failed_commits: PositiveInt | None = 10
     """Consecutive optimizer steps that may fail to commit (a peer failed mid-step) before
     ``fit()`` raises; ``None`` retries forever."""
-    bucket_cap_mb: PositiveFloat = 25.0
+    bucket_cap_mb: float = 25.0
     """Gradients are averaged across the groups in buckets of at most this many MiB."""
 
     @model_validator(mode="after")
@@ -63,6 +72,17 @@ class FaultToleranceParameters(ConfigModel):
         for name in ("timeout", "quorum_timeout", "connect_timeout"):
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be a positive duration, got {getattr(self, name)}")
+        if not (math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0):
+            raise ValueError(
+                f"bucket_cap_mb={self.bucket_cap_mb} is not a positive, finite size: give the "
+                "largest gradient bucket in MiB (25 is a good start)")
+        try:
+            ipaddress.ip_address(self.bind_address)
+        except ValueError:
+            raise ValueError(
+                f"bind_address={self.bind_address!r} is not an IP address: give the address "
+                "of the interface to listen on, 127.0.0.1 (this host only) or this host's "
+                "address on the groups' network, without brackets or port") from None
         if not self.lighthouse.startswith(("http://", "https://")):
             raise ValueError(
                 f"lighthouse={self.lighthouse!r} is not an address: give it as "

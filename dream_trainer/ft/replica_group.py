@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from types import ModuleType
@@ -16,6 +15,9 @@ from torch import nn
 from dream_trainer.configs.fault_tolerance import FaultToleranceParameters
 from dream_trainer.errors import RecoveryError
 from dream_trainer.ft.gradients import reduce_gradients
+from dream_trainer.ft.listeners import (advertised, bound_gloo, group_store, is_wildcard,
+                                        manager_server_bound_to, wildcard_warning)
+from dream_trainer.ft.transport import StateTransport, secret_from_env
 
 if TYPE_CHECKING:
     from dream_trainer.world.world import DistributedWorld
@@ -45,8 +47,10 @@ class ReplicaGroup:
     Global rank 0 of the group checks that the lighthouse answers (so that a wrong address
     fails within ``connect_timeout`` on every rank, naming it), and hosts a fresh store for
     the manager, so that nothing is read from an earlier attempt of the same launch.
-    Every step runs ``start_step`` (a quorum; a group that is behind copies the state of a
-    live peer through ``load_state_dict`` there), then ``reduce_gradients`` and ``commit``.
+    Every listener binds ``params.bind_address`` (see ``listeners``). Every step runs
+    ``start_step`` (a quorum; a group that is behind copies the state of a live peer through
+    ``StateTransport``, checks it and applies it with ``load_state_dict``), then
+    ``reduce_gradients`` and ``commit``.
 
     Args:
         params: The fault-tolerance settings.
@@ -54,27 +58,33 @@ class ReplicaGroup:
         state_dict: Returns the state a recovering peer copies (called on torchft's thread
             while the training thread waits for the quorum).
         load_state_dict: Applies a state copied from a peer (on the training thread).
+        check_state: Raises ``ValueError`` (or ``RecoveryError``) if a state received from
+            a peer does not fit this group; called before anything of it is applied.
+        max_state_bytes: The largest state a peer may send, asked before each copy.
 
     Raises:
         ImportError: if torchft is not installed.
         RuntimeError: if the lighthouse cannot be reached within ``connect_timeout``.
+        ValueError: if ``DREAM_TRAINER_FT_SECRET`` is set but too short.
     """
 
     def __init__(self, params: FaultToleranceParameters, world: DistributedWorld,
-                 state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
+                 state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
+                 check_state: Callable[[Any], None], max_state_bytes: Callable[[], int]) -> None:
         torchft = import_torchft()
         self.params = params
         self.device = world.device
+        self._check_state = check_state
         self._store: dist.TCPStore | None = None
-        host = socket.gethostname()
+        secret = secret_from_env()
+        bind, host = params.bind_address, advertised(params.bind_address)
         problem, port = None, 0
         if world.is_rank_zero:
+            if is_wildcard(bind):
+                logger.warning(wildcard_warning(f"replica group {params.replica_id}", bind))
             problem = _unreachable(params.lighthouse, params.connect_timeout)
             if problem is None:
-                # wait_for_workers=False: the group's other ranks connect when they build
-                # their manager, after this rank has shared the port.
-                self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                            timeout=params.connect_timeout)
+                self._store = group_store(bind, params.connect_timeout)
                 port = self._store.port
         if world.world_size > 1:
             shared: list[Any] = [problem, port]
@@ -91,22 +101,44 @@ class ReplicaGroup:
                     f"from a live peer: {type(exc).__name__}: {exc}"
                 ) from exc
 
-        pg_class = torchft.ProcessGroupNCCL if self.device.type == "cuda" \
-            else torchft.ProcessGroupGloo
-        self.process_group = pg_class(timeout=params.timeout)
-        self.manager = torchft.Manager(
-            pg=self.process_group, load_state_dict=load_peer_state, state_dict=state_dict,
-            min_replica_size=params.min_replicas,
-            # A synchronous quorum applies a peer's state before the step's forward pass, so
-            # a recovering group takes part in the very step it recovered for.
-            use_async_quorum=False,
-            timeout=params.timeout, quorum_timeout=params.quorum_timeout,
-            connect_timeout=params.connect_timeout,
-            rank=world.rank, world_size=world.world_size,
-            store_addr=host, store_port=port, lighthouse_addr=params.lighthouse,
-            replica_id=f"replica_{params.replica_id}",
-            max_retries=params.max_failed_commits,
-        )
+        self.process_group = torchft.ProcessGroupNCCL(timeout=params.timeout) \
+            if self.device.type == "cuda" else bound_gloo(torchft, host, params.timeout)
+        self.transport = StateTransport(bind, host, params.timeout, secret, self._check,
+                                        max_state_bytes)
+        with manager_server_bound_to(torchft, bind):
+            self.manager = torchft.Manager(
+                pg=self.process_group, load_state_dict=load_peer_state, state_dict=state_dict,
+                min_replica_size=params.min_replicas,
+                # A synchronous quorum applies a peer's state before the step's forward pass,
+                # so a recovering group takes part in the very step it recovered for.
+                use_async_quorum=False,
+                timeout=params.timeout, quorum_timeout=params.quorum_timeout,
+                connect_timeout=params.connect_timeout,
+                rank=world.rank, world_size=world.world_size,
+                store_addr=host, store_port=port, lighthouse_addr=params.lighthouse,
+                replica_id=f"replica_{params.replica_id}", hostname=host,
+                checkpoint_transport=self.transport,
+                max_retries=params.max_failed_commits,
+            )
+
+    def _check(self, received: Any, step: int) -> None:
+        """Refuse a peer's state that is not a replica group's state for the quorum's step,
+        at or past this group's, or that does not fit this group (``check_state``)."""
+        counters = received.get("torchft") if isinstance(received, dict) else None
+        if not (isinstance(received, dict) and received.keys() == {"user", "torchft"}
+                and isinstance(received["user"], dict) and "default" in received["user"]
+                and isinstance(counters, dict)
+                and all(isinstance(counters.get(key), int)
+                        for key in ("step", "batches_committed"))):
+            raise RecoveryError("it is not a replica group's state ({'user': {'default': "
+                                "...}, 'torchft': {'step': int, 'batches_committed': int}})")
+        own = self.manager.current_step()
+        if counters["step"] != step or step < own:
+            raise RecoveryError(
+                f"it claims step {counters['step']} where the quorum recovers to step {step}, "
+                f"and this group has committed {own} steps: a peer's state must be of the "
+                "quorum's step, at or past this group's")
+        self._check_state(received["user"]["default"])
 
     # -- one step ---------------------------------------------------------------------------
     def start_step(self) -> None:
@@ -115,7 +147,9 @@ class ReplicaGroup:
         Raises:
             RuntimeError: if no quorum of ``min_replicas`` groups forms within
                 ``quorum_timeout`` (or the lighthouse is gone).
-            RecoveryError: if the state copied from a peer does not fit this group.
+            RecoveryError: if applying a peer's state failed after it passed
+                ``check_state`` (a refused state is logged instead, and the step does not
+                commit).
         """
         try:
             self.manager.start_quorum()
@@ -130,6 +164,12 @@ class ReplicaGroup:
                 "is running and that enough groups are up, or raise quorum_timeout "
                 f"({type(exc).__name__}: {exc})"
             ) from exc
+        error = self.manager.errored()
+        if error is not None:
+            # torchft keeps going with the step, which cannot commit: say why (a peer whose
+            # state was refused is named here).
+            logger.warning("replica group %d: this step will not commit: %s",
+                           self.params.replica_id, error.original_exception)
 
     def reduce_gradients(self, parameters: Sequence[nn.Parameter], summed: bool) -> None:
         """Average (or add up) the gradients of ``parameters`` over the live groups."""
@@ -180,11 +220,6 @@ class ReplicaGroup:
     def shutdown(self) -> None:
         """Stop the manager's servers and leave the cross-group process group."""
         self.manager.shutdown(wait=True)
-        # torchft 0.2.0 stops its checkpoint server's loop but leaves the listening socket
-        # open until garbage collection.
-        server = getattr(self.manager._checkpoint_transport, "_server", None)
-        if server is not None:
-            server.server_close()
         self.process_group.shutdown()
         self._store = None
 

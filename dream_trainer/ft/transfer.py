@@ -1,10 +1,10 @@
 """The trainer state a recovering replica group copies from a live peer, in a form that can
-cross the wire.
+cross the wire (``wire`` turns it into bytes).
 
-torchft's checkpoint transport pickles the state, and a ``DTensor`` cannot be pickled into
-another process (its mesh holds process groups). Each DTensor travels as its local shard plus
-its layout (``Sharded``); the peer rank that receives it holds the same shard of the same
-layout, because every group has the same topology, and rebuilds the DTensor on its own mesh.
+A ``DTensor`` cannot cross into another process as it is (its mesh holds process groups).
+Each DTensor travels as its local shard plus its layout (``Sharded``); the peer rank that
+receives it holds the same shard of the same layout, because every group has the same
+topology, and rebuilds the DTensor on its own mesh.
 """
 
 from __future__ import annotations
@@ -82,22 +82,68 @@ def from_wire(tree: Any, mesh: Callable[[tuple[str, ...]], DeviceMesh],
     return tree
 
 
-def copy_into(module: torch.nn.Module, received: dict[str, Any], name: str) -> None:
-    """Copy a received ``state_dict`` into ``module``'s parameters and buffers in place.
+def check_fits(module: torch.nn.Module, received: Any, name: str) -> None:
+    """Refuse a received ``state_dict`` unless it has exactly ``module``'s keys, and each
+    tensor its shape, dtype and (for a DTensor) layout.
 
     Raises:
-        ValueError: naming the keys that differ between the two.
+        ValueError: naming the first key that differs.
     """
+    if not isinstance(received, dict):
+        raise ValueError(f"the state received for model {name!r} is a "
+                         f"{type(received).__name__}, not a state_dict")
     current = module.state_dict()
     missing = sorted(current.keys() - received.keys())
-    unexpected = sorted(received.keys() - current.keys())
+    unexpected = sorted(map(str, received.keys() - current.keys()))
     if missing or unexpected:
         raise ValueError(
             f"the state received for model {name!r} does not fit it: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}; every replica group must build the same models"
         )
+    for key, tensor in current.items():
+        value = received[key]
+        if _layout(value) is None or _layout(value) != _layout(tensor):
+            raise ValueError(
+                f"the state received for model {name!r} does not fit it at {key!r}: "
+                f"{_describe(value)} where this group has {_describe(tensor)}; every replica "
+                "group must build the same models on the same layout")
+
+
+def copy_into(module: torch.nn.Module, received: dict[str, Any], name: str) -> None:
+    """Copy a received ``state_dict`` into ``module``'s parameters and buffers in place.
+
+    Raises:
+        ValueError: if it does not fit (``check_fits``).
+    """
+    check_fits(module, received, name)
     with torch.no_grad():
-        for key, tensor in current.items():
+        for key, tensor in module.state_dict().items():
             value = received[key]
             local = value.local if isinstance(value, Sharded) else local_tensor(value)
             local_tensor(tensor).copy_(local)
+
+
+def _layout(value: Any) -> tuple[Any, ...] | None:
+    """What must match between two ranks' tensors: a DTensor's placements, global shape and
+    mesh dimensions (sent or rebuilt), then the local shape and dtype; None if not a tensor."""
+    if isinstance(value, Sharded):
+        return (value.placements, value.shape, value.mesh_dims, value.local.shape,
+                value.local.dtype)
+    if is_dtensor(value):
+        local = value.to_local()
+        return (tuple(value.placements), value.shape, tuple(value.device_mesh.mesh_dim_names
+                                                            or ()), local.shape, local.dtype)
+    if isinstance(value, torch.Tensor):
+        return (None, None, None, value.shape, value.dtype)
+    return None
+
+
+def _describe(value: Any) -> str:
+    layout = _layout(value)
+    if layout is None:
+        return f"a {type(value).__name__}"
+    placements, shape, dims, local, dtype = layout
+    if placements is None:
+        return f"a {tuple(local)} {dtype} tensor"
+    return (f"a {tuple(local)} {dtype} shard of a {tuple(shape)} tensor placed {placements} "
+            f"on {dims}")

@@ -141,9 +141,14 @@ class FaultTolerantMixin(BaseTrainer):
     def _join_replica_groups(self) -> None:
         # After the other mixins: a checkpoint is resumed first, its manager counters included.
         from dream_trainer.ft.replica_group import ReplicaGroup
+        from dream_trainer.ft.wire import encode
 
-        self._replica_group = ReplicaGroup(self.fault_tolerance_parameters, self.world,
-                                           self._recovery_state, self._recover)
+        # A state the wire cannot carry (a callback keeping an object of its own class) is
+        # refused here, naming the value, rather than when a peer first needs it.
+        encode(self._recovery_state())
+        self._replica_group = ReplicaGroup(
+            self.fault_tolerance_parameters, self.world, self._recovery_state, self._recover,
+            self._check_recovery_state, self._max_recovery_bytes)
         if self._pending_ft_state is not None:
             self._replica_group.load_state_dict(self._pending_ft_state)
             self._pending_ft_state = None
@@ -249,6 +254,42 @@ class FaultTolerantMixin(BaseTrainer):
                            for name, scheduler in self.named_schedulers().items()},
             "trainer": self.state_dict(),
         })
+
+    def _check_recovery_state(self, received: Any) -> None:
+        """Refuse a peer's state (on torchft's thread, before anything of it is applied)
+        unless it holds this trainer's models with their exact keys, shapes, dtypes and
+        layouts, the same optimizers and schedulers, and a step within ``max_steps``."""
+        from dream_trainer.ft.transfer import check_fits
+
+        sections = {"models": self.named_models(), "optimizers": self.named_optimizers(),
+                    "schedulers": self.named_schedulers()}
+        if not (isinstance(received, dict) and received.keys() == {*sections, "trainer"}
+                and all(isinstance(received[key], dict) for key in received)):
+            raise ValueError("it is not a trainer's state (a dict of models, optimizers, "
+                             "schedulers and trainer)")
+        for section, mine in sections.items():
+            if received[section].keys() != mine.keys():
+                raise ValueError(f"its {section} are {sorted(map(str, received[section]))}, "
+                                 f"this trainer's {sorted(mine)}")
+        for name, model in self.named_models().items():
+            check_fits(model, received["models"][name], name)
+        step = received["trainer"].get("global_step")
+        max_steps = self.training_parameters.max_steps
+        if not isinstance(step, int) or step < 0 \
+                or (max_steps is not None and step > max_steps):
+            raise ValueError(f"its global_step {step!r} is not a step count within "
+                             f"max_steps={max_steps}")
+
+    def _max_recovery_bytes(self) -> int:
+        """The largest state a peer may send this rank: 16 times its models' local bytes
+        (weights, an optimizer's moments and averages such as EMA's take a few times them)
+        plus 256 MiB for the rest."""
+        from dream_trainer.parallel.dtensor import local_tensor
+
+        models = sum(local_tensor(tensor).numel() * local_tensor(tensor).element_size()
+                     for model in self.named_models().values()
+                     for tensor in model.state_dict().values())
+        return 16 * models + 256 * 2**20
 
     def _recover(self, received: Any) -> None:
         """Apply a live peer's state (torchft calls it during a quorum that heals us)."""

@@ -1,6 +1,9 @@
 """Fault-tolerant replica groups (torchft): live groups keep training while one is killed and
 restarted, the restarted group recovers from a peer, and without failures the groups train
-exactly like DDP over the same ranks.
+exactly like DDP over the same ranks. Every listener (the lighthouse's and each worker's) is
+on 127.0.0.1 unless configured otherwise, and a peer's state is refused, with nothing of it
+run or applied, unless it is a plausible state in the library's own format (and, with a
+shared secret, signed).
 
 Each replica group is its own torchrun job of tests/scripts/ft_run.py; the lighthouse runs
 in this process, or as `dream-trainer lighthouse` in a subprocess. Every process started here
@@ -10,14 +13,19 @@ is killed at the end of its test.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
+import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +33,17 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from dream_trainer.callbacks import Callback
+from dream_trainer.cli.lighthouse import DEFAULT_BIND
 from dream_trainer.configs import FaultToleranceParameters, TrainingParameters
+from dream_trainer.errors import RecoveryError
+from dream_trainer.ft.transport import TOKEN_HEADER, StateTransport, request_token
+from dream_trainer.ft.wire import MAGIC, WireError, decode, encode
 from dream_trainer.mixins import (CheckpointConfigMixin, CheckpointMixin, FaultTolerantConfigMixin,
                                   FaultTolerantMixin)
 from tests.helpers.launch import REPO, check, child_env, free_port, torchrun
 from tests.helpers.toy import ToyConfig, ToyTrainer
+from tests.scripts.ft_run import listening_sockets
 
 SCRIPT = REPO / "tests" / "scripts" / "ft_run.py"
 # Fast quorums and failure detection for a test on one machine (torchft's defaults are for
@@ -39,18 +53,24 @@ KILL_AT_STEP = 10
 # Steps between the last one the test saw and the one every group stops at: each group reads
 # the stop file once per step, and must not have passed it by then.
 STOP_MARGIN = 40
+LOOPBACK = "127.0.0.1"
+DEFAULT_HOST = DEFAULT_BIND.rsplit(":", 1)[0]
 
 
 # -- processes -------------------------------------------------------------------------------
 @contextlib.contextmanager
 def lighthouse(min_replicas: int) -> Iterator[str]:
-    """A lighthouse in this process, on a free port; yields its address."""
-    from torchft.coordination import LighthouseServer
+    """A lighthouse in this process, on the command's default host and a free port; yields
+    its address, once its socket is checked to listen there only."""
+    from dream_trainer.cli.lighthouse import start
 
-    server = LighthouseServer(bind=f"[::]:{free_port()}", min_replicas=min_replicas,
-                              **LIGHTHOUSE_TIMING)
+    port = free_port()
+    server, address = start(f"{DEFAULT_HOST}:{port}", min_replicas, **LIGHTHOUSE_TIMING)
     try:
-        yield server.address()
+        assert [entry for entry in listening_sockets() if entry[1] == port] \
+            == [(LOOPBACK, port)]
+        assert address == f"http://{LOOPBACK}:{port}"
+        yield address
     finally:
         server.shutdown()
 
@@ -61,15 +81,18 @@ def lighthouse_command(min_replicas: int) -> Iterator[str]:
     that SIGTERM stops it cleanly."""
     timing = [part for name, value in LIGHTHOUSE_TIMING.items()
               for part in (f"--{name.removesuffix('_ms').replace('_', '-')}-ms", str(value))]
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "dream_trainer", "lighthouse", "--min-replicas",
-         str(min_replicas), "--bind", f"[::]:{free_port()}", *timing],
+         str(min_replicas), "--bind", f"{DEFAULT_HOST}:{port}", *timing],
         env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         start_new_session=True)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        assert line.startswith("lighthouse listening on http://"), line
+        assert line.startswith(f"lighthouse listening on http://{LOOPBACK}:{port} "), line
+        # Its only listener is on loopback.
+        assert listening_sockets(proc.pid) == [(LOOPBACK, port)]
         yield line.split()[3]
         proc.send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=30)[0]
@@ -91,8 +114,12 @@ class Group:
                    f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(SCRIPT), "--out", str(out),
                    "--replica-id", str(replica_id), "--groups", str(groups), "--min-replicas",
                    str(min_replicas), "--lighthouse", address, "--dp-shard", str(nproc), *extra]
-        self.proc = subprocess.Popen(command, env=child_env(), stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        # The group's own process group (torch.distributed's, not fault tolerance's) listens
+        # where GLOO_SOCKET_IFNAME says: loopback here too, so that every listener of a worker
+        # is on loopback whatever this host's name resolves to.
+        self.proc = subprocess.Popen(command, env=child_env({"GLOO_SOCKET_IFNAME": "lo"}),
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
 
     def records(self) -> list[dict[str, Any]]:
         path = self.out / f"replica_{self.replica_id}.jsonl"
@@ -189,6 +216,20 @@ def assert_steps_advance(entries: list[dict[str, Any]]) -> None:
             (previous, entry)
 
 
+def assert_listeners_on_loopback(out: Path, groups: int, nproc: int) -> None:
+    """Every socket each worker listened on once it trained with another group is on
+    127.0.0.1: on rank 0 its manager, store, state server and gloo, on the others the last
+    two (the report lists every listening socket of the process); and the state a peer
+    copies went through dream_trainer's transport, not torchft's pickling one."""
+    for replica_id in range(groups):
+        for rank in range(nproc):
+            report = json.loads((out / f"listeners_{replica_id}_{rank}.json").read_text())
+            found = report["listening"]
+            assert {host for host, _ in found} == {LOOPBACK}, (replica_id, rank, found)
+            assert len(found) >= (4 if rank == 0 else 2), (replica_id, rank, found)
+            assert report["transport"] == "StateTransport", report
+
+
 def logged_steps(out: Path, replica_id: int) -> list[int]:
     path = out / "logs" / "ft" / "tests" / "run" / "logs" / f"replica_{replica_id}" / \
         "metrics.jsonl"
@@ -281,6 +322,7 @@ def test_live_groups_keep_training_while_a_killed_group_restarts_and_recovers(
     for replica_id in range(1, groups):
         for name, tensor in weights(tmp_path, str(replica_id)).items():
             assert torch.equal(tensor, reference[name]), (replica_id, name)
+    assert_listeners_on_loopback(tmp_path, groups, nproc)
 
 
 # -- no failure: exactly DDP; a full restart resumes from each group's checkpoint -----------
@@ -320,6 +362,7 @@ def test_two_groups_train_exactly_like_ddp_and_resume_from_their_checkpoints(
     for replica_id in (0, 1):
         for name, tensor in weights(ft_out, str(replica_id)).items():
             assert torch.equal(tensor, reference[name]), (replica_id, name)
+    assert_listeners_on_loopback(ft_out, 2, 1)
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -419,12 +462,20 @@ def test_the_lighthouse_command_names_its_options_and_a_port_it_cannot_bind(
     for option in ("--min-replicas", "--bind", "--join-timeout-ms", "--quorum-tick-ms",
                    "--heartbeat-timeout-ms"):
         assert option in out, option
-    with socket.socket(socket.AF_INET6) as taken:
-        taken.bind(("::", 0))
+    # This host only, unless told otherwise.
+    assert "default: 127.0.0.1:29510, this host only" in " ".join(out.split())
+    with socket.socket(socket.AF_INET) as taken:
+        taken.bind((LOOPBACK, 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert main(["lighthouse", "--min-replicas", "1", "--bind", f"[::]:{port}"]) == 1
-    assert f"cannot serve a lighthouse on [::]:{port}" in capsys.readouterr().err
+        assert main(["lighthouse", "--min-replicas", "1", "--bind", f"{LOOPBACK}:{port}"]) == 1
+        assert f"cannot serve a lighthouse on {LOOPBACK}:{port}" in capsys.readouterr().err
+        # Every interface is allowed, with a warning first (here it cannot bind either).
+        assert main(["lighthouse", "--min-replicas", "1", "--bind", f"0.0.0.0:{port}"]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("warning: the lighthouse listens on every network interface "
+                          "(0.0.0.0)"), err
+    assert "docs/reliability.md#security" in err and "can end any replica group" in err
 
 
 def test_without_torchft_the_errors_name_the_extra(monkeypatch: pytest.MonkeyPatch,
@@ -439,3 +490,303 @@ def test_without_torchft_the_errors_name_the_extra(monkeypatch: pytest.MonkeyPat
     assert main(["lighthouse", "--min-replicas", "1"]) == 1
     assert "pip install 'dream-trainer[ft]'" in capsys.readouterr().err
 
+
+
+# -- a peer's state ------------------------------------------------------------------------
+class Planted:
+    """Unpickling it creates a file: what a peer posing as a replica group sent torchft's
+    own transport to run code in the worker."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+@contextlib.contextmanager
+def fake_peer(body: bytes) -> Iterator[str]:
+    """An HTTP server on loopback answering every GET with ``body``; yields the metadata a
+    peer would advertise for it."""
+
+    class Answer(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer((LOOPBACK, 0), Answer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://{LOOPBACK}:{server.server_address[1]}/state/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@contextlib.contextmanager
+def transport(secret: bytes | None = None,
+              check: Callable[[Any, int], None] = lambda state, step: None,
+              max_bytes: int = 2**30) -> Iterator[StateTransport]:
+    made = StateTransport(LOOPBACK, LOOPBACK, timedelta(seconds=10), secret, check,
+                          lambda: max_bytes)
+    try:
+        yield made
+    finally:
+        made.shutdown()
+
+
+def peer_state(step: int) -> dict[str, Any]:
+    return {"user": {"default": {"w": torch.arange(6.0).reshape(2, 3), "lr": 0.1,
+                                 "state": {0: {"step": torch.tensor(3.0)}}}},
+            "torchft": {"step": step, "batches_committed": 2 * step}}
+
+
+def test_a_peer_answering_with_a_pickle_is_refused_before_anything_of_it_runs(
+        tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    payload = pickle.dumps({"user": {"default": Planted(marker)}, "torchft": {"step": 5}})
+    with fake_peer(payload) as metadata, transport() as receiver:
+        with pytest.raises(RecoveryError, match=f"refused the state offered by the peer at "
+                                                f"{metadata}5: .*does not start with this "
+                                                "format's marker .*a pickle"):
+            receiver.recv_checkpoint(0, metadata, 5, timedelta(seconds=10))
+    assert not marker.exists()
+    # The payload is live: what torchft's own transport did with it ran the planted code.
+    pickle.loads(payload)
+    assert marker.exists()
+
+
+def test_a_state_crosses_the_wire_exactly_and_a_peer_must_serve_the_step_asked() -> None:
+    state = peer_state(7)
+    with transport() as sender, transport() as receiver, transport(max_bytes=100) as small:
+        sender.send_checkpoint([1], 7, state, timedelta(seconds=10))
+        received = receiver.recv_checkpoint(0, sender.metadata(), 7, timedelta(seconds=10))
+        # An answer larger than the receiver's models could explain is not even read.
+        with pytest.raises(RecoveryError, match=r"it announced \d+ bytes, more than the 100 "):
+            small.recv_checkpoint(0, sender.metadata(), 7, timedelta(seconds=10))
+        with pytest.raises(RecoveryError, match="HTTP 409 .serving the state of step 7, not 8"):
+            receiver.recv_checkpoint(0, sender.metadata(), 8, timedelta(seconds=10))
+        with pytest.raises(RecoveryError, match="advertised 'file:///etc/passwd', not "
+                                                r"http://HOST:PORT/state/"):
+            receiver.recv_checkpoint(0, "file:///etc/passwd", 7, timedelta(seconds=10))
+    assert received["torchft"] == {"step": 7, "batches_committed": 14}
+    mine = received["user"]["default"]
+    assert torch.equal(mine["w"], state["user"]["default"]["w"]) and mine["lr"] == 0.1
+    # Optimizer states key by int: the key comes back an int.
+    assert list(mine["state"]) == [0] and mine["state"][0]["step"].item() == 3.0
+
+
+def test_with_a_secret_only_signed_requests_and_answers_are_accepted() -> None:
+    secret, other = b"s" * 32, b"o" * 32
+    with transport(secret) as sender, transport(secret) as receiver, \
+            transport(other) as stranger, transport() as plain:
+        sender.send_checkpoint([1], 3, peer_state(3), timedelta(seconds=10))
+        url = f"{sender.metadata()}3"
+        host, port = url.removeprefix("http://").split("/")[0].split(":")
+        # A request without the token, or with one for another URL, gets nothing.
+        for headers in ({}, {TOKEN_HEADER: request_token(secret, f"{sender.metadata()}4")}):
+            connection = http.client.HTTPConnection(host, int(port), timeout=10)
+            connection.request("GET", "/state/3", headers=headers)
+            response = connection.getresponse()
+            body = response.read()
+            connection.close()
+            assert response.status == 403 and not body.startswith(MAGIC), (headers, body)
+        received = receiver.recv_checkpoint(0, sender.metadata(), 3, timedelta(seconds=10))
+        assert received["torchft"]["step"] == 3
+        with pytest.raises(RecoveryError, match="HTTP 403 .*set the same "
+                                                "DREAM_TRAINER_FT_SECRET on every replica"):
+            stranger.recv_checkpoint(0, sender.metadata(), 3, timedelta(seconds=10))
+        # A server without the secret sends an unsigned answer, a fake one a well-formed
+        # state with a forged signature: both refused before they are parsed.
+        plain.send_checkpoint([1], 3, peer_state(3), timedelta(seconds=10))
+        forged = b"".join(map(bytes, encode(peer_state(3)).chunks())) + bytes(32)
+        with fake_peer(forged) as fake:
+            for metadata in (plain.metadata(), fake):
+                with pytest.raises(RecoveryError, match="not signed with this group's "
+                                                        "DREAM_TRAINER_FT_SECRET"):
+                    receiver.recv_checkpoint(0, metadata, 3, timedelta(seconds=10))
+
+
+def test_a_secret_too_short_is_refused_without_showing_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from dream_trainer.ft.transport import secret_from_env
+
+    monkeypatch.setenv("DREAM_TRAINER_FT_SECRET", "hunter2")
+    with pytest.raises(ValueError, match="has 7 characters: use at least 16") as error:
+        secret_from_env()
+    assert "hunter2" not in str(error.value)
+    monkeypatch.setenv("DREAM_TRAINER_FT_SECRET", "x" * 16)
+    assert secret_from_env() == b"x" * 16
+
+
+def crafted(header: Any, data: bytes = b"") -> bytearray:
+    """A payload of this format around ``header`` (JSON text or a value), as an attacker
+    would write one."""
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    payload = bytearray(MAGIC + len(text).to_bytes(8, "little") + text)
+    payload += bytes(-len(payload) % 64) + data
+    return payload
+
+
+@pytest.mark.parametrize(("payload", "message"), [
+    (crafted(b'{"tree": 1}'), "a JSON object, which this format never writes"),
+    (crafted([[], ["d", [["lr", 0.5]]]]), "an untagged number '0.5'"),
+    (crafted([[], ["builtins.eval", "1"]]), r"state is not a value of this format"),
+    (crafted([[["float32", [4], 0]], ["T", 0]], bytes(8)),
+     "tensor 0 lies at bytes 0 to 16 of the data, which overlap .* run past the 8 bytes"),
+    (crafted([[["object", [1], 0]], ["T", 0]], bytes(8)),
+     "tensor 0 of its table is not \\[dtype, shape, offset\\]"),
+    (crafted([[], ["d", [[["l", []], 1]]]]), "has a key that is not hashable"),
+    (crafted([[], ["d", [["a", 1], ["a", 2]]]]), "repeats a key"),
+    (crafted(b'[[],' + b'["l",[' * 70 + b']]' * 70 + b']'), "nests deeper than 64 levels"),
+    (crafted(b'[[],' + b'[' * 100_000 + b']' * 100_000 + b']'), "nests deeper than 64 levels"),
+    (crafted([[], ["l", [["l", []], ["t", []]]]]), None),
+])
+def test_a_malformed_state_is_refused_naming_the_problem(payload: bytearray,
+                                                         message: str | None) -> None:
+    if message is None:  # a well-formed payload, as a control
+        assert decode(payload, "http://peer:1/state/3") == [[], ()]
+        return
+    with pytest.raises(WireError, match="the state sent by http://peer:1/state/3 is "
+                                        f"refused: .*({message})"):
+        decode(payload, "http://peer:1/state/3")
+
+
+def test_a_dict_of_colliding_int_keys_is_refused_quickly() -> None:
+    # 200,000 distinct ints that all hash to 0: a dict would take minutes to build from them.
+    keys = [i * (2**61 - 1) for i in range(1, 200_000)]
+    payload = crafted([[], ["d", [["optimizer", ["d", [[key, None] for key in keys]]]]]])
+    start = time.monotonic()
+    with pytest.raises(WireError, match=r"the dict at state\['optimizer'\] sent by "
+                                        "http://peer:1/state/3 holds 199999 distinct keys "
+                                        "with the same hash"):
+        decode(payload, "http://peer:1/state/3")
+    assert time.monotonic() - start < 5
+
+
+def test_a_state_the_wire_cannot_carry_is_refused_naming_the_value() -> None:
+    with pytest.raises(TypeError, match=r"state\['callbacks'\]\['Mine'\]\['when'\] is a "
+                                        r"datetime.timedelta, which a recovering replica "
+                                        "group cannot receive"):
+        encode({"callbacks": {"Mine": {"when": timedelta(seconds=1)}}})
+
+
+class FTPlausibility(Callback[FaultTolerantMixin]):
+    """After the first committed step, offers this trainer's group a peer's state through
+    its own transport: a plausible one, then the same with one thing wrong each time."""
+
+    def __init__(self) -> None:
+        self.outcomes: dict[str, str] = {}
+        self.listeners: list[tuple[str, int]] = []
+        self.ports: dict[str, int] = {}
+
+    def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
+        trainer = self.trainer
+        if self.outcomes or not trainer.last_step_committed:
+            return
+        group = trainer._replica_group
+        self.listeners = listening_sockets()
+        self.ports = {"store": group._store.port,
+                      "state server": int(group.transport.metadata().split(":")[2].split("/")[0]),
+                      "manager": int(group.manager._manager.address().rsplit(":", 1)[1])}
+        own = trainer.committed_steps
+        state = trainer._recovery_state()
+        weight = state["models"]["model"]["0.weight"]
+        offers = {
+            "plausible": (own + 4, own + 4, state),
+            "behind": (own - 1, own - 1, state),
+            "mislabelled": (own + 4, own + 5, state),
+            "reshaped": (own + 4, own + 4, {**state, "models": {"model": {
+                **state["models"]["model"], "0.weight": weight[:, :-1]}}}),
+            "retyped": (own + 4, own + 4, {**state, "models": {"model": {
+                **state["models"]["model"], "0.weight": weight.double()}}}),
+            "past max_steps": (own + 4, own + 4, {**state, "trainer": {
+                **state["trainer"], "global_step": 1000}}),
+        }
+        with transport() as peer:
+            for name, (asked, claimed, offered) in offers.items():
+                peer.send_checkpoint([0], asked, {
+                    "user": {"default": offered},
+                    "torchft": {"step": claimed, "batches_committed": claimed}},
+                    timedelta(seconds=10))
+                try:
+                    group.transport.recv_checkpoint(0, peer.metadata(), asked,
+                                                    timedelta(seconds=10))
+                    self.outcomes[name] = "accepted"
+                except RecoveryError as error:
+                    self.outcomes[name] = str(error)
+
+
+def ft_toy(address: str, callback: FTPlausibility, **fields: Any) -> FTToy:
+    config = FTToyConfig(
+        project="toy", group="tests", experiment="ft", callbacks=[callback],
+        training_parameters=TrainingParameters(n_epochs=1, train_batch_size=8, max_steps=2),
+        fault_tolerance_parameters=FaultToleranceParameters(lighthouse=address, **fields))
+    return FTToy(config)
+
+
+def test_a_peer_state_is_checked_for_plausibility_and_each_listener_is_on_loopback() -> None:
+    probe = FTPlausibility()
+    with lighthouse(min_replicas=1) as address:
+        ft_toy(address, probe).fit()
+    outcomes = probe.outcomes
+    assert outcomes.pop("plausible") == "accepted"
+    for name, words in {
+        "behind": "where the quorum recovers to step 0, and this group has committed 1 steps",
+        "mislabelled": "claims step 6 where the quorum recovers to step 5",
+        "reshaped": "does not fit it at '0.weight': a (16, 7) torch.float32 tensor where "
+                    "this group has a (16, 8) torch.float32 tensor",
+        "retyped": "at '0.weight': a (16, 8) torch.float64 tensor where",
+        "past max_steps": "its global_step 1000 is not a step count within max_steps=2",
+    }.items():
+        assert outcomes[name].startswith("refused the state offered by the peer at http://"
+                                         f"{LOOPBACK}:"), (name, outcomes[name])
+        assert words in outcomes[name], (name, outcomes[name])
+    # The group's manager, store and state server listen on 127.0.0.1 and nowhere else.
+    for name, port in probe.ports.items():
+        assert [entry for entry in probe.listeners if entry[1] == port] \
+            == [(LOOPBACK, port)], name
+
+
+def test_a_wildcard_bind_address_listens_everywhere_with_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    probe = FTPlausibility()
+    with lighthouse(min_replicas=1) as address, \
+            caplog.at_level(logging.WARNING, logger="dream_trainer.ft.replica_group"):
+        ft_toy(address, probe, bind_address="0.0.0.0").fit()
+    assert "replica group 0 listens on every network interface (0.0.0.0)" in caplog.text
+    assert "docs/reliability.md#security" in caplog.text
+    # The control for the test above: the configured address is what the sockets show.
+    for name, port in probe.ports.items():
+        assert [entry for entry in probe.listeners if entry[1] == port] \
+            == [("0.0.0.0", port)], name
+
+
+def test_the_gloo_group_across_replica_groups_listens_on_the_configured_address() -> None:
+    import torch.distributed as dist
+    import torchft
+
+    from dream_trainer.ft.listeners import bound_gloo
+
+    # Another loopback address than the one gloo would pick by itself (where the host name
+    # resolves, or 127.0.0.1): the listener must follow the configured one.
+    host = "127.0.0.2"
+    store = dist.TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False)
+    before = set(listening_sockets())
+    group = bound_gloo(torchft, host, timedelta(seconds=20))
+    try:
+        group.configure(f"{LOOPBACK}:{store.port}/quorum_0", "replica_0", 0, 1)
+        ones = torch.ones(3)
+        group.allreduce([ones], dist.AllreduceOptions()).wait()
+        opened = set(listening_sockets()) - before
+    finally:
+        group.shutdown()
+    assert torch.equal(ones, torch.ones(3))
+    assert opened and {address for address, _ in opened} == {host}, opened

@@ -2,8 +2,11 @@
 
 Run under torchrun, one launch per replica group. Rank 0 appends one JSON line per optimizer
 step to OUT/replica_<id>.jsonl (global and committed steps, quorum size, recoveries, its pid);
-every rank writes its pid to OUT/pid_<id>_<rank> at setup; after training rank 0 saves the
-full model weights to OUT/weights_<id>.pt. Training goes on until the number written to
+every rank writes its pid to OUT/pid_<id>_<rank> at setup, and the addresses its process
+listens on (and the class of its manager's checkpoint transport) to
+OUT/listeners_<id>_<rank>.json once a step has committed with another group (every listener
+then exists); after training rank 0 saves the full model weights to
+OUT/weights_<id>.pt. Training goes on until the number written to
 --stop-file (once it exists) or --max-steps optimizer steps. A worker that torchrun restarted
 waits for --restart-gate (once given) to exist before it starts again.
 """
@@ -11,6 +14,7 @@ waits for --restart-gate (once given) to exist before it starts again.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import time
@@ -57,17 +61,51 @@ class Blocks(nn.Module):
         return self.layers[1](torch.tanh(self.layers[0](x)))
 
 
+def listening_sockets(pid: int | str = "self") -> list[tuple[str, int]]:
+    """The (address, port) of every TCP socket that process ``pid`` listens on, from /proc:
+    the sockets of its network namespace in LISTEN state whose inode it holds open."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            # /proc writes each 32-bit word of the address in the host's (little-endian)
+            # byte order.
+            raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1]
+                           for i in range(0, len(address), 8))
+            found.append((str(ipaddress.ip_address(raw)), int(port, 16)))
+    return sorted(found)
+
+
 class Steps(Callback[BaseTrainer]):
     """Records each optimizer step and stops when the stop file says so."""
 
-    def __init__(self, record: Path | None, stop_file: Path | None) -> None:
-        self.record, self.stop_file = record, stop_file
+    def __init__(self, record: Path | None, stop_file: Path | None, out: Path) -> None:
+        self.record, self.stop_file, self.out = record, stop_file, out
         self.stop_at: int | None = None
+        self.reported = False
 
     def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
         trainer = self.trainer
         if trainer.is_accumulating_gradients:
             return
+        if isinstance(trainer, FaultTolerantMixin) and not self.reported \
+                and trainer.last_step_committed and trainer.replica_participants > 1:
+            self.reported = True
+            name = f"listeners_{trainer.replica_id}_{trainer.world.rank}.json"
+            transport = trainer._replica_group.manager._checkpoint_transport
+            (self.out / name).write_text(json.dumps(
+                {"listening": listening_sockets(), "transport": type(transport).__name__}))
         if self.record is not None and trainer.world.is_rank_zero:
             entry = {"global_step": trainer.global_step, "pid": os.getpid(),
                      "loss": float(result["loss"].detach()), "time": time.time()}
@@ -186,7 +224,7 @@ def main() -> None:
                 raise SystemExit(f"{args.restart_gate} did not appear within 300 s")
             time.sleep(0.05)
     record = args.out / (f"replica_{args.replica_id}.jsonl" if args.mode == "ft" else "ddp.jsonl")
-    callbacks: list[Callback[Any]] = [Steps(record, args.stop_file)]
+    callbacks: list[Callback[Any]] = [Steps(record, args.stop_file, args.out)]
     if args.callbacks:
         callbacks += [ProgressBar(), NanGuard(mode="skip")]
     device = (DeviceParameters.FSDP() if args.dp_shard > 1 else DeviceParameters.DDP())
