@@ -502,6 +502,8 @@ def _to(value: Any, device: torch.device) -> Any:
         return moved
     if type(value) in (list, tuple):
         return type(value)(_to(item, device) for item in value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a trusted namedtuple
+        return type(value)(*(_to(item, device) for item in value))
     return value
 
 

@@ -125,6 +125,17 @@ def test_a_trusted_type_unpickles_the_standard_way_and_others_are_named() -> Non
     assert load_archive(data, "item", trusted={name: Point}) == {"p": Point(1, 2.0)}
 
 
+def test_map_location_moves_every_tensor() -> None:
+    # The meta device stands in for an accelerator: every tensor must land there.
+    value = {"a": [torch.ones(2)], "p": Point(1, torch.zeros(1)), "o": collections.OrderedDict(
+        t=(torch.ones(1),))}
+    moved = load_archive(saved(value), "item", trusted={f"{__name__}.Point": Point},
+                         map_location="meta")
+    tensors = [moved["a"][0], moved["p"].y, moved["o"]["t"][0]]
+    assert all(tensor.device.type == "meta" for tensor in tensors)
+    assert type(moved["p"]) is Point and type(moved["o"]) is collections.OrderedDict
+
+
 # -- attacks --------------------------------------------------------------------------------
 def test_build_on_an_allowed_class_changes_every_path_when_unpickled_plainly() -> None:
     # The attack is real: a stock unpickler lets it rewrite a class of the standard library.
