@@ -34,6 +34,7 @@ class Name:
         reduce: ``REDUCE``'s builder: the arguments tuple -> a fresh value.
         build: ``NEWOBJ`` then ``BUILD``'s builder: the state -> a fresh instance.
         empty: ``NEWOBJ`` without ``BUILD`` (a class without fields) -> a fresh instance.
+        newobj: ``NEWOBJ`` with arguments (a named tuple) -> a fresh value.
         trusted: A user's trusted class or function, unpickled the standard way.
         dtype: For a storage class of a ``torch.save`` archive, its element type.
     """
@@ -42,6 +43,7 @@ class Name:
     reduce: Callable[[tuple[Any, ...]], Any] | None = None
     build: Callable[[Any], Any] | None = None
     empty: Callable[[], Any] | None = None
+    newobj: Callable[[tuple[Any, ...]], Any] | None = None
     trusted: Any = None
     dtype: torch.dtype | None = None
 
@@ -203,6 +205,43 @@ def _rebuild_parameter(args: tuple[Any, ...]) -> torch.nn.Parameter:
     return torch.nn.Parameter(data, _bool(requires_grad, "requires_grad"))
 
 
+_WRAPPED_WEIGHTS = frozenset({"torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor"})
+"""Tensor subclasses (float8 training's weights) that keep their data, a plain tensor, in
+their state's ``_tensor``: a checkpoint gives back that tensor."""
+_TENSOR_TYPES = frozenset({"torch.Tensor", "torch.nn.parameter.Parameter"})
+
+
+def _rebuild_from_type(args: tuple[Any, ...]) -> torch.Tensor:
+    """``torch._tensor._rebuild_from_type_v2(func, type, args, state)``: how torch.save
+    writes a tensor with Python state or of a subclass. Nothing of it is called: a float8
+    weight gives back the plain tensor its state holds; a plain tensor is rebuilt by the
+    tensor builder and given its plain attributes back."""
+    func, kind, inner, state = _args(args, 4, "torch._tensor._rebuild_from_type_v2")
+    if not (isinstance(func, Name) and isinstance(kind, Name) and type(inner) is tuple
+            and type(state) is dict):
+        raise Refusal("torch._tensor._rebuild_from_type_v2 with arguments of other types")
+    if kind.name in _WRAPPED_WEIGHTS:
+        data = state.get("_tensor")
+        if not isinstance(data, torch.Tensor):
+            raise Refusal(f"a {kind.name} without its tensor")
+        return data.detach()
+    if kind.name not in _TENSOR_TYPES or func.reduce not in (_rebuild_tensor,
+                                                             _rebuild_tensor_v3):
+        raise Refusal(f"a tensor of type {kind.name} rebuilt by {func.name}")
+    tensor = func.reduce(inner)
+    for key, value in state.items():
+        if type(key) is not str or not key.isidentifier() or key.startswith("__"):
+            raise Refusal(f"a tensor attribute named {str(key)[:40]!r}")
+        setattr(tensor, key, value)
+    return tensor
+
+
+def _plain_tuple(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A named tuple of settings kept beside a tensor (float8's matmul configs), read as a
+    plain tuple: what it holds is never used, only decoded."""
+    return args
+
+
 # -- builders: DCP's metadata and dream_trainer's own records -------------------------------
 def _fields(cls: type, checks: Mapping[str, Callable[[Any, str], Any]]) -> Callable[[Any], Any]:
     """A builder of ``cls`` from a state dict: every key a known field, every value checked
@@ -247,7 +286,7 @@ def _file_name(value: Any, what: str) -> str:
     that leaves it (``../x``, ``/etc/x``) would read a file no checksum covers."""
     problem = component_problem(value)
     if problem is not None:
-        raise Refusal(f"{what} {str(value)[:80]!r}, which {problem}: not a file name inside "
+        raise Refusal(f"{what} {str(value)[:1000]!r}, which {problem}: not a file name inside "
                       "the checkpoint")
     return value
 
@@ -379,6 +418,12 @@ def _item_globals() -> dict[str, Name]:
         Name("torch._utils._rebuild_tensor_v2", reduce=_rebuild_tensor),
         Name("torch._utils._rebuild_tensor_v3", reduce=_rebuild_tensor_v3),
         Name("torch._utils._rebuild_parameter", reduce=_rebuild_parameter),
+        Name("torch._tensor._rebuild_from_type_v2", reduce=_rebuild_from_type),
+        # Only named inside _rebuild_from_type_v2's arguments, never called.
+        Name("torch._utils._rebuild_wrapper_subclass"),
+        *(Name(name) for name in _TENSOR_TYPES | _WRAPPED_WEIGHTS),
+        *(Name(f"torchao.float8.float8_training_tensor.{name}", newobj=_plain_tuple)
+          for name in ("LinearMMConfig", "ScaledMMConfig")),
         Name("dream_trainer.checkpoint.state.TensorRef",
              build=_fields(TensorRef, {"path": as_str})),
     )

@@ -131,6 +131,8 @@ class _SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
             obj = _Pending(spec)
         elif isinstance(spec, Name) and args == () and spec.empty is not None:
             obj = spec.empty()
+        elif isinstance(spec, Name) and spec.newobj is not None and type(args) is tuple:
+            obj = spec.newobj(args)
         else:
             raise Refusal(f"creating {_name(spec)}")
         self.append(obj)

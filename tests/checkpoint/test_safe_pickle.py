@@ -125,6 +125,36 @@ def test_a_trusted_type_unpickles_the_standard_way_and_others_are_named() -> Non
     assert load_archive(data, "item", trusted={name: Point}) == {"p": Point(1, 2.0)}
 
 
+def test_tensors_saved_with_python_state_read_back() -> None:
+    # torch.save writes these through torch._tensor._rebuild_from_type_v2: a tensor with
+    # attributes, and float8 training's weights (a subclass holding the plain tensor).
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    tagged = torch.arange(3.0)
+    tagged.tag = "kept"  # type: ignore[attr-defined]
+    decoded = load_archive(saved(tagged), "item")
+    assert torch.equal(decoded, tagged) and decoded.tag == "kept"
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    convert_to_float8_training(model, config=Float8LinearConfig(
+        enable_fsdp_float8_all_gather=True))
+    weight = model.state_dict()["0.weight"]
+    assert type(weight).__name__ == "WeightWithDynamicFloat8CastTensor"
+    decoded = load_archive(saved(weight.detach()), "item")
+    assert type(decoded) is torch.Tensor and torch.equal(decoded, model[0].weight._tensor)
+
+
+class Marked(torch.Tensor):
+    """A tensor subclass of the user's: its class would be called to rebuild it."""
+
+
+def test_a_tensor_subclass_outside_the_list_is_refused() -> None:
+    marked = torch.ones(2).as_subclass(Marked)
+    with pytest.raises(CheckpointError, match=r"would unpickle .*Marked, which is not an "
+                                              "allowed type"):
+        load_archive(saved(marked), "item")
+
+
 def test_map_location_moves_every_tensor() -> None:
     # The meta device stands in for an accelerator: every tensor must land there.
     value = {"a": [torch.ones(2)], "p": Point(1, torch.zeros(1)), "o": collections.OrderedDict(
