@@ -13,6 +13,7 @@ checkpoint trusts it explicitly: ``CheckpointParameters.trusted_globals`` or
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import io
@@ -138,23 +139,33 @@ def read_metadata_bytes(directory: Path) -> bytes:
 
 def safe_reader(path: str | Path, trusted: Iterable[str] = ()) -> Any:
     """A DCP storage reader for the checkpoint directory ``path`` that decodes every pickle
-    with ``safe_pickle`` and opens files without following symlinks."""
+    with ``safe_pickle`` and opens files without following symlinks (``reader_class()``)."""
+    return reader_class()(Path(path), _trusted(trusted))
+
+
+@functools.cache
+def reader_class() -> type:
+    """The class of ``safe_reader``'s readers: a DCP ``FileSystemReader`` whose metadata and
+    items go through ``safe_pickle``. Built on first use: importing DCP takes about a second,
+    which ``import dream_trainer`` should not cost."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
     from torch.distributed.checkpoint.planner import LoadItemType
-    from torch.distributed._shard._utils import narrow_tensor_by_index
-
-    directory = Path(path)
-    objects = _trusted(trusted)
 
     class SafeFileSystemReader(FileSystemReader):
-        decoded: Any = None  # the metadata, decoded once per reader: it costs milliseconds
-        # per hundred chunks, and a load asks for it twice (the shape check, then DCP)
+        def __init__(self, directory: Path, trusted: dict[str, Any]) -> None:
+            super().__init__(str(directory))
+            self.directory = directory
+            self.trusted = trusted
+            # The metadata, decoded once per reader: it costs milliseconds per hundred
+            # chunks, and a load asks for it twice (the shape check, then DCP).
+            self.decoded: Any = None
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             if self.decoded is None:
-                self.decoded = loads(read_metadata_bytes(directory),
-                                     str(directory / METADATA), "metadata")
+                self.decoded = loads(read_metadata_bytes(self.directory),
+                                     str(self.directory / METADATA), "metadata")
             metadata = self.decoded
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
@@ -168,43 +179,45 @@ def safe_reader(path: str | Path, trusted: Iterable[str] = ()) -> Any:
                 per_file.setdefault(self.storage_data[item.storage_index].relative_path,
                                     []).append(item)
             for name, items in per_file.items():
-                with open_inside(directory, name) as file:
+                with open_inside(self.directory, name) as file:
                     for item in items:
-                        _read_item(file, directory / name, item, self, planner)
+                        self.read_item(file, self.directory / name, item, planner)
             done: torch.futures.Future[None] = torch.futures.Future()
             done.set_result(None)
             return done
 
-    def _read_item(file: IO[bytes], path: Path, item: Any, reader: Any, planner: Any) -> None:
-        info = reader.storage_data[item.storage_index]
-        if os.fstat(file.fileno()).st_size < info.offset + info.length:
-            raise CheckpointError(f"checkpoint file {path} is truncated: item "
-                                  f"{item.storage_index.fqn} needs bytes up to "
-                                  f"{info.offset + info.length}; resume from an earlier "
-                                  "checkpoint")
-        data = reader.transforms.transform_load_stream(
-            item, info.transform_descriptors or (), _Slice(file, info.offset, info.length))
-        if not data.seekable():  # a transform's stream: zip reading needs to seek
-            data = io.BytesIO(data.read())
-        source = f"checkpoint {directory} (item {item.storage_index.fqn})"
-        if item.type == LoadItemType.BYTE_IO:
-            value = load_archive(data, source, objects)
-            # The planner torch.loads what it is given: hand it the decoded value saved anew,
-            # which holds only allowed types.
-            planner.load_bytes(item, io.BytesIO(_saved(value)))
-            return
-        tensor = load_archive(data, source)
-        if not isinstance(tensor, torch.Tensor):
-            raise CheckpointError(f"{source} should hold a tensor, not a {type(tensor).__name__}")
-        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
-        target = planner.resolve_tensor(item).detach()
-        if target.size() != tensor.size():
-            raise CheckpointError(f"{source} holds a chunk of size {tuple(tensor.size())} where "
-                                  f"the metadata places one of {tuple(target.size())}")
-        target.copy_(tensor)
-        planner.commit_tensor(item, target)
+        def read_item(self, file: IO[bytes], path: Path, item: Any, planner: Any) -> None:
+            info = self.storage_data[item.storage_index]
+            if os.fstat(file.fileno()).st_size < info.offset + info.length:
+                raise CheckpointError(f"checkpoint file {path} is truncated: item "
+                                      f"{item.storage_index.fqn} needs bytes up to "
+                                      f"{info.offset + info.length}; resume from an earlier "
+                                      "checkpoint")
+            data = self.transforms.transform_load_stream(
+                item, info.transform_descriptors or (), _Slice(file, info.offset, info.length))
+            if not data.seekable():  # a transform's stream: zip reading needs to seek
+                data = io.BytesIO(data.read())
+            source = f"checkpoint {self.directory} (item {item.storage_index.fqn})"
+            if item.type == LoadItemType.BYTE_IO:
+                value = load_archive(data, source, self.trusted)
+                # The planner torch.loads what it is given: hand it the decoded value saved
+                # anew, which holds only allowed types.
+                planner.load_bytes(item, io.BytesIO(_saved(value)))
+                return
+            tensor = load_archive(data, source)
+            if not isinstance(tensor, torch.Tensor):
+                raise CheckpointError(f"{source} should hold a tensor, not a "
+                                      f"{type(tensor).__name__}")
+            tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != tensor.size():
+                raise CheckpointError(f"{source} holds a chunk of size {tuple(tensor.size())} "
+                                      f"where the metadata places one of "
+                                      f"{tuple(target.size())}")
+            target.copy_(tensor)
+            planner.commit_tensor(item, target)
 
-    return SafeFileSystemReader(str(directory))
+    return SafeFileSystemReader
 
 
 class _Slice(io.RawIOBase):

@@ -22,11 +22,11 @@ from unittest import mock
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dream_trainer.checkpoint import agreement, layout
+from dream_trainer.checkpoint.trust import reader_class
 from dream_trainer.configs import CheckpointParameters, DeviceParameters, TrainingParameters
 from dream_trainer.mixins import CheckpointConfigMixin, CheckpointMixin
 from tests.helpers.toy import ToyConfig, ToyTrainer
@@ -63,10 +63,10 @@ class CollectiveBytes(TorchDispatchMode):
 @contextlib.contextmanager
 def recording(record: dict[str, Any]) -> Iterator[None]:
     """Record into ``record`` the reads and collective bytes of every ``dcp.load``."""
-    read_data = FileSystemReader.read_data
+    read_data = reader_class().read_data
     load = dcp.load
 
-    def recorded_read_data(self: FileSystemReader, plan: Any, planner: Any) -> Any:
+    def recorded_read_data(self: Any, plan: Any, planner: Any) -> Any:
         for item in plan.items:
             stored = self.storage_data[item.storage_index]
             record["reads"].append({
@@ -89,7 +89,7 @@ def recording(record: dict[str, Any]) -> Iterator[None]:
         record["checksummed"].append(f"{file.parent.name}/{file.name}")
         return checksum(file)
 
-    with mock.patch.object(FileSystemReader, "read_data", recorded_read_data), \
+    with mock.patch.object(reader_class(), "read_data", recorded_read_data), \
             mock.patch.object(dcp, "load", recorded_load), \
             mock.patch.object(layout, "checksum", recorded_checksum), \
             mock.patch.object(agreement, "checksum", recorded_checksum):
