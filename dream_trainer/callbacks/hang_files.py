@@ -12,10 +12,11 @@ rather than following it.
 from __future__ import annotations
 
 import os
-import secrets
 import stat
 import tempfile
 from pathlib import Path
+
+from dream_trainer.utils.files import write_atomically
 
 
 def private_trace_dir(project: str, group: str, experiment: str) -> Path:
@@ -56,23 +57,12 @@ def _not_private(path: Path) -> str | None:
 
 
 def write_file(directory: Path, name: str, data: bytes) -> Path:
-    """Write ``data`` to ``directory/name`` (created with mode 0700 if missing) as a whole:
-    to a fresh name first, then renamed over ``name``, so that a reader never sees a part of
-    it and an existing ``name`` (a symlink included) is replaced, never written through.
+    """Write ``data`` to ``directory/name`` (created with mode 0700 if missing) as a whole,
+    readable by this user only: an existing ``name`` (a symlink included) is replaced, never
+    written through (``write_atomically``).
 
     Returns:
         The path written.
     """
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = directory / name
-    temporary = directory / f".{name}.{secrets.token_hex(8)}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    descriptor = os.open(temporary, flags, 0o600)
-    try:
-        with os.fdopen(descriptor, "wb") as file:
-            file.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomically(directory / name, data, mode=0o600)

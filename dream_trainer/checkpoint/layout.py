@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dream_trainer.errors import CheckpointError
+from dream_trainer.utils.files import write_atomically
 from dream_trainer.utils.paths import component_problem
 
 logger = logging.getLogger(__name__)
@@ -70,9 +71,7 @@ class CheckpointInfo:
         """Write atomically: a reader sees the whole file or none."""
         payload = {"step": self.step, "epoch": self.epoch, "score": self.score,
                    "files": self.files}
-        temporary = self.path / f"{INFO}.tmp"
-        temporary.write_text(json.dumps(payload, indent=2))
-        os.replace(temporary, self.path / INFO)
+        write_atomically(self.path / INFO, json.dumps(payload, indent=2).encode())
 
 
 def _record_problem(data: Any) -> str | None:
@@ -195,9 +194,9 @@ def verify_files(path: Path, metadata: Any, rank: int = 0, world_size: int = 1) 
     """
     needed = data_files(metadata)
     recorded = CheckpointInfo.read(path).files if (path / INFO).is_file() else None
-    sizes = {name: _entry_size(path, name, path / METADATA) for name in needed}
+    sizes = {name: entry_size(path, name, path / METADATA) for name in needed}
     for name in [*(recorded or {}), METADATA]:
-        _entry_size(path, name, path / INFO)
+        entry_size(path, name, path / INFO)
     for relative, size in needed.items():
         if sizes[relative] < size:
             raise CheckpointError(
@@ -221,7 +220,7 @@ def verify_files(path: Path, metadata: Any, rank: int = 0, world_size: int = 1) 
             )
 
 
-def _entry_size(path: Path, name: Any, source: Path) -> int:
+def entry_size(path: Path, name: Any, source: Path) -> int:
     """The size of the regular file ``name`` that ``source`` names in the checkpoint ``path``.
 
     Raises:

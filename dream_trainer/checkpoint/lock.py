@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dream_trainer.checkpoint.layout import CheckpointError
+from dream_trainer.utils.files import write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -290,9 +291,7 @@ class RunLock:
             if now != current:
                 raise self._refusal(now or "its record is gone (its holder released it)")
             self._log_takeover(current)
-            temporary = self.path.with_name(f"{LOCK}.{self.holder.pid}")
-            temporary.write_text(json.dumps(asdict(self.holder)))
-            os.replace(temporary, self.path)
+            write_atomically(self.path, json.dumps(asdict(self.holder)).encode())
         finally:
             marker.unlink()
         self.held = True

@@ -52,9 +52,9 @@ def _unscored(info: CheckpointInfo) -> bool:
 def _rank(info: CheckpointInfo, sign: float) -> tuple[bool, float, int]:
     """Scored before unscored (NaN compares false with everything, which would leave sorted()
     in any order), then the best, then the newest."""
-    if info.score is None or math.isnan(info.score):
+    if _unscored(info):
         return True, 0.0, -info.step
-    return False, sign * info.score, -info.step
+    return False, sign * info.score, -info.step  # type: ignore[operator]
 
 
 def _warn_unscored(root: Path, monitor: str, infos: list[CheckpointInfo]) -> None:

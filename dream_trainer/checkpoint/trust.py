@@ -25,8 +25,9 @@ from typing import IO, Any
 
 import torch
 
-from dream_trainer.checkpoint.layout import INFO, METADATA, CheckpointInfo
-from dream_trainer.checkpoint.safe_pickle import MAX_PICKLE_BYTES, load_archive, loads
+from dream_trainer.checkpoint.layout import INFO, METADATA, CheckpointInfo, entry_size
+from dream_trainer.checkpoint.safe_pickle import MAX_PICKLE_BYTES, loads
+from dream_trainer.checkpoint.torch_archive import load_archive
 from dream_trainer.errors import CheckpointError
 
 _TRUSTED: dict[str, Any] = {}
@@ -99,15 +100,12 @@ def open_inside(directory: Path, name: str) -> IO[bytes]:
     path = directory / name
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} is missing") from None
     except OSError as exc:
-        if os.path.islink(path):
-            raise CheckpointError(f"checkpoint file {path} is a symlink: a checkpoint's files "
-                                  "must be its own; copy the target in instead") from None
+        entry_size(directory, name, directory)  # names it: missing, a link, not a file
         raise CheckpointError(f"cannot open checkpoint file {path}: {exc}") from exc
     if not stat.S_ISREG(os.fstat(descriptor).st_mode):
         os.close(descriptor)
+        entry_size(directory, name, directory)
         raise CheckpointError(f"checkpoint file {path} is not a regular file")
     return os.fdopen(descriptor, "rb")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import csv
-import os
+import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -14,6 +14,7 @@ from dream_trainer.configs.logging import LoggingConfigMixin
 from dream_trainer.mixins.logging import LoggerMixin
 from dream_trainer.utils.media import (Histogram, ImagesLike, MediaFiles, to_uint8_images,
                                        to_uint8_video)
+from dream_trainer.utils.files import write_atomically
 from dream_trainer.utils.resumed_log import Continuation
 
 
@@ -60,10 +61,8 @@ class CSVLoggerMixin(LoggerMixin):
             with open(self.csv_path, newline="") as existing:
                 self._csv_columns = next(csv.reader(existing), None) or ["step"]
             if self.global_step > 0:  # resumed: start_logging runs after the checkpoint loads
-                continuation = Continuation(self.csv_path, self.global_step, self._csv_rows())
-                if continuation.dropped:
-                    self._rewrite(continuation.rows)
-                self._csv_continuation = None if continuation.done else continuation
+                self._csv_continuation = Continuation.resume(
+                    self.csv_path, self.global_step, self._csv_rows(), self._rewrite)
         else:
             self.csv_path.write_text(",".join(self._csv_columns) + "\n")
         self._csv_file = open(self.csv_path, "a", newline="")
@@ -116,12 +115,9 @@ class CSVLoggerMixin(LoggerMixin):
         if new:
             self._csv_columns += new
             self._rewrite(self._csv_rows())  # the wider header, old rows' new cells empty
-        if self._csv_continuation is not None:
-            repeated = self._csv_continuation.repeated(step, values)
-            if repeated:
-                self._rewrite(self._csv_continuation.without(self._csv_rows(), repeated))
-            if self._csv_continuation.done:
-                self._csv_continuation = None
+        if self._csv_continuation is not None and not self._csv_continuation.settle(
+                step, values, self._csv_rows, self._rewrite):
+            self._csv_continuation = None
         csv.DictWriter(self._csv_file, self._csv_columns).writerow({"step": step, **values})
         self._csv_file.flush()
 
@@ -134,16 +130,13 @@ class CSVLoggerMixin(LoggerMixin):
     def _rewrite(self, rows: list[dict[str, Any]]) -> None:
         """Replace the file by the current header and ``rows`` through a temporary file, so
         that it is never left half-written; the appending handle, if open, follows."""
-        partial = self.csv_path.with_name(self.csv_path.name + ".tmp")
-        with open(partial, "w", newline="") as file:
-            # A row with more cells than the header (a damaged file) has the extras under
-            # the key None: they go.
-            writer = csv.DictWriter(file, self._csv_columns, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(rows)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(partial, self.csv_path)
+        text = io.StringIO(newline="")
+        # A row with more cells than the header (a damaged file) has the extras under the key
+        # None: they go.
+        writer = csv.DictWriter(text, self._csv_columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+        write_atomically(self.csv_path, text.getvalue().encode())
         if self._csv_file is not None:
             self._csv_file.close()
             self._csv_file = open(self.csv_path, "a", newline="")

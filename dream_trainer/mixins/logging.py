@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -16,6 +15,7 @@ from dream_trainer.trainer.phases import runs_on
 from dream_trainer.utils.media import (Histogram, ImagesLike, MediaFiles, check_images,
                                        check_table, check_video, plain, to_uint8_images,
                                        to_uint8_video)
+from dream_trainer.utils.files import write_atomically
 from dream_trainer.utils.resumed_log import Continuation, Row
 
 
@@ -209,10 +209,8 @@ class JSONLoggerMixin(LoggerMixin):
         super().start_logging()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.global_step > 0 and self._json_path.exists():
-            continuation = Continuation(self._json_path, self.global_step, self._json_records())
-            if continuation.dropped:
-                self._rewrite_json(continuation.rows)
-            self._json_continuation = None if continuation.done else continuation
+            self._json_continuation = Continuation.resume(
+                self._json_path, self.global_step, self._json_records(), self._rewrite_json)
         self._json_file = open(self._json_path, "a")
         self._json_media = MediaFiles(self.log_dir)
 
@@ -224,15 +222,9 @@ class JSONLoggerMixin(LoggerMixin):
         if self._json_file is None:
             return
         step = self.global_step if step is None else step
-        if self._json_continuation is not None:
-            repeated = self._json_continuation.repeated(step, values)
-            if repeated:
-                self._json_file.close()
-                self._rewrite_json(self._json_continuation.without(self._json_records(),
-                                                                   repeated))
-                self._json_file = open(self._json_path, "a")
-            if self._json_continuation.done:
-                self._json_continuation = None
+        if self._json_continuation is not None and not self._json_continuation.settle(
+                step, values, self._json_records, self._rewrite_json):
+            self._json_continuation = None
         self._json_file.write(json.dumps({"step": step, **values}) + "\n")
         self._json_file.flush()
 
@@ -249,14 +241,14 @@ class JSONLoggerMixin(LoggerMixin):
         return records
 
     def _rewrite_json(self, records: list[Row]) -> None:
-        """Replace the file by ``records`` through a temporary file, so that it is never
-        left half-written."""
-        partial = self._json_path.with_name(self._json_path.name + ".tmp")
-        with open(partial, "w") as file:
-            file.writelines(json.dumps(record) + "\n" for record in records)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(partial, self._json_path)
+        """Replace the file by ``records`` as a whole; the appending handle, if open,
+        follows."""
+        if self._json_file is not None:
+            self._json_file.close()
+        write_atomically(self._json_path,
+                         "".join(json.dumps(record) + "\n" for record in records).encode())
+        if self._json_file is not None:
+            self._json_file = open(self._json_path, "a")
 
     def log_images(self, key: str, images: ImagesLike,
                    captions: Sequence[str] | None = None) -> None:

@@ -13,7 +13,7 @@ cell) is not in the row.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,26 @@ class Continuation:
         found = self._repeatable.intersection(keys)
         self._repeatable -= found
         return found
+
+    @classmethod
+    def resume(cls, path: Path, step: int, rows: Iterable[Row | None],
+               rewrite: Callable[[list[Row]], None]) -> Continuation | None:
+        """Drop from the file the rows past ``step`` (through ``rewrite``, when there are
+        some); returns the continuation while keys at ``step`` may still repeat, else None."""
+        continuation = cls(path, step, rows)
+        if continuation.dropped:
+            rewrite(continuation.rows)
+        return None if continuation.done else continuation
+
+    def settle(self, step: int, keys: Iterable[str], rows: Callable[[], list[Row | None]],
+               rewrite: Callable[[list[Row]], None]) -> bool:
+        """Before a new row of ``keys`` at ``step``: remove from the file (``rows()`` read, then
+        ``rewrite``) the keys an earlier row of that step holds. Returns whether the file
+        still needs this continuation."""
+        repeated = self.repeated(step, keys)
+        if repeated:
+            rewrite(self.without(rows(), repeated))
+        return not self.done
 
     @property
     def done(self) -> bool:

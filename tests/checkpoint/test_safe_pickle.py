@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from dream_trainer.checkpoint.safe_pickle import MAX_DEPTH, load_archive, loads
+from dream_trainer.checkpoint.safe_pickle import MAX_DEPTH, loads
+from dream_trainer.checkpoint.torch_archive import load_archive
 from dream_trainer.errors import CheckpointError
 from dream_trainer.utils.hash_guard import MAX_SHARED_HASH, HashFloodError, check_key_spread
 from tests.helpers.launch import REPO, child_env
