@@ -24,9 +24,11 @@ import gc
 import json
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from functools import partial
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, get_args
@@ -39,6 +41,7 @@ from dream_trainer.callbacks import CallbackCollection
 from dream_trainer.configs import (CheckpointParameters, DeviceParameters, LoggingParameters,
                                    TrainingParameters)
 from dream_trainer.configs.device import Float8Recipe
+from dream_trainer.utils.memory import CudaPeakWindow
 
 SEED, LR, CLIP = 0, 3e-4, 1.0
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
@@ -68,21 +71,26 @@ def compile_blocks(model: GPT) -> None:
         model.blocks[index] = torch.compile(block)
 
 
-def fresh_memory_stats(device: torch.device) -> None:
-    """Free what the previous run left (trainers hold reference cycles), then reset the peak."""
+def fresh_memory_stats(device: torch.device) -> CudaPeakWindow | None:
+    """Free what the previous run left (trainers hold reference cycles), then open a window on
+    the allocator's peak. A window, not ``max_memory_allocated``: the default callbacks read
+    their own windows and so reset the device's peak counter as they go; the windows fold each
+    reset into one another, so this one still sees the whole run's peak."""
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return CudaPeakWindow(device)
 
 
-def peak_memory_gib(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+def peak_memory_gib(window: CudaPeakWindow | None) -> float | None:
+    return None if window is None else window.peek()[0] / 2**30
 
 
 def hand_written(shape: GPTShape, batches: list[Any], warmup: int, device: torch.device,
                  compile: bool) -> dict[str, Any]:
-    fresh_memory_stats(device)
+    window = fresh_memory_stats(device)
     torch.manual_seed(SEED)
     model = GPT(shape).to(device)
     init_gpt(model)
@@ -104,7 +112,7 @@ def hand_written(shape: GPTShape, batches: list[Any], warmup: int, device: torch
     seconds = time.perf_counter() - start
     n_params = sum(p.numel() for p in model.parameters())
     return {"seconds": seconds, "final_loss": loss.item(), "n_params": n_params,
-            "peak_memory_gib": peak_memory_gib(device)}
+            "peak_memory_gib": peak_memory_gib(window)}
 
 
 class BenchConfig(DreamTrainerConfig):
@@ -166,14 +174,14 @@ def dream(shape: GPTShape, batches: list[Any], warmup: int, batch_size: int,
         checkpoint_parameters=CheckpointParameters(root_dir=workdir, every_n_epochs=None),
         logging_parameters=LoggingParameters(log_dir=workdir))
     trainer = GPTBench(config, shape, batches)
-    fresh_memory_stats(device)
+    window = fresh_memory_stats(device)
     trainer.fit()
     shutil.rmtree(workdir)  # fit() always ends with a checkpoint: ~12 GB at this size
     assert trainer.last_loss is not None
     float8_layers = sum(type(module).__name__ == "Float8Linear"
                         for module in trainer.model.modules())
     return {"seconds": trainer.end - trainer.start, "final_loss": trainer.last_loss.item(),
-            "peak_memory_gib": peak_memory_gib(device), "float8_layers": float8_layers}
+            "peak_memory_gib": peak_memory_gib(window), "float8_layers": float8_layers}
 
 
 def measure(shape: GPTShape, batch_size: int, steps: int, warmup: int, trials: int,
@@ -188,16 +196,21 @@ def measure(shape: GPTShape, batch_size: int, steps: int, warmup: int, trials: i
     common = {"device": device, "compile": compile}
     with tempfile.TemporaryDirectory() as tmp:
         for trial in range(trials):
-            runs["hand"].append(hand_written(shape, batches, warmup, **common))
-            runs["dream"].append(dream(shape, batches, warmup, batch_size, Path(tmp) / str(trial),
-                                       **common))
-            runs["dream_no_callbacks"].append(dream(shape, batches, warmup, batch_size,
-                                                    Path(tmp) / f"{trial}-bare", **common,
-                                                    default_callbacks=False))
-            for recipe in float8_recipes:
-                runs[f"dream_float8_{recipe}"].append(dream(
-                    shape, batches, warmup, batch_size, Path(tmp) / f"{trial}-{recipe}",
-                    **common, float8_recipe=recipe))
+            workdir = Path(tmp) / str(trial)
+            variants = {
+                "hand": partial(hand_written, shape, batches, warmup, **common),
+                "dream": partial(dream, shape, batches, warmup, batch_size, workdir, **common),
+                "dream_no_callbacks": partial(dream, shape, batches, warmup, batch_size,
+                                              workdir, **common, default_callbacks=False),
+                **{f"dream_float8_{recipe}": partial(dream, shape, batches, warmup, batch_size,
+                                                     workdir, **common, float8_recipe=recipe)
+                   for recipe in float8_recipes},
+            }
+            for name, run in variants.items():
+                runs[name].append(run())
+                # A long run shows where it is, and a cut-off one still says what it measured.
+                rate = steps * tokens_per_step / runs[name][-1]["seconds"]
+                print(f"trial {trial} {name}: {rate:,.0f} tokens/s", file=sys.stderr, flush=True)
     n_params = runs["hand"][0]["n_params"]
     flops_per_token = shape.flops_per_token(n_params)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

@@ -134,17 +134,23 @@ class ProgressBar(RankZeroCallback):
             # A logger reduces the steps it logs: the bar follows those values, the whole
             # step's over micro-batches and ranks, and not rank 0's alone in between.
             if reduced[0] == self.trainer.global_step and "loss" in reduced[1]:
-                step_loss = torch.tensor(reduced[1]["loss"])
-                self._loss_ema = (step_loss if self._loss_ema is None
-                                  else torch.lerp(self._loss_ema, step_loss, self.smoothing))
+                # The reduced value is a float: it joins the average on the loss's device, so
+                # that the average stays there (lerp refuses a CPU operand beside a GPU one).
+                device = None if self._window_loss is None else self._window_loss.device
+                self._smooth(torch.tensor(reduced[1]["loss"], device=device))
         elif self._window_loss is not None:
-            step_loss = self._window_loss / self._window_batches
-            self._loss_ema = (step_loss if self._loss_ema is None
-                              else torch.lerp(self._loss_ema, step_loss, self.smoothing))
+            self._smooth(self._window_loss / self._window_batches)
         self._window_loss, self._window_batches = None, 0
         step = self.trainer.global_step
         if self._due(step):
             self._refresh(step)
+
+    def _smooth(self, step_loss: torch.Tensor) -> None:
+        if self._loss_ema is None:
+            self._loss_ema = step_loss
+        else:
+            self._loss_ema = torch.lerp(self._loss_ema, step_loss.to(self._loss_ema.device),
+                                        self.smoothing)
 
     @override
     def pre_val_epoch(self) -> None:

@@ -45,7 +45,9 @@ class CudaPeakWindow:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        # "cuda" and "cuda:0" name one counter: windows compare indexed devices.
+        index = torch.cuda.current_device() if device.index is None else device.index
+        self.device = torch.device("cuda", index)
         self._allocated = torch.cuda.memory_allocated(device)
         self._reserved = torch.cuda.memory_reserved(device)
         _WINDOWS.add(self)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from dream_trainer.callbacks import Callback
 from dream_trainer.callbacks.progress_bar import ProgressBar
+from dream_trainer.configs import DeviceParameters
 from dream_trainer.utils.memory import process_rss_bytes
 from tests.helpers.launch import REPO, check, child_env, torchrun
 from tests.helpers.toy import ToyTrainer, toy_config
@@ -54,6 +55,9 @@ class FakeClock(Callback):
 def fit_plain(monkeypatch: pytest.MonkeyPatch, bar: ProgressBar, clock: FakeClock,
               trainer_class: type[ToyTrainer] = ToyTrainer, **config: Any) -> list[str]:
     monkeypatch.setattr(time, "perf_counter", clock)
+    # The expected lines are the CPU's (rss): on a machine with a GPU too, only a test that
+    # asks for CUDA gets it.
+    config.setdefault("device_parameters", DeviceParameters(device="cpu"))
     trainer_class(toy_config(callbacks=[clock, bar], **config)).fit()
     output = bar.stream.getvalue()  # type: ignore[attr-defined]
     assert "\x1b" not in output and "\r" not in output
@@ -177,7 +181,8 @@ def test_memory_is_the_process_rss_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_memory_is_the_allocator_peaks_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     bar = ProgressBar(refresh_every_n_steps=1, stream=io.StringIO())
-    lines = fit_plain(monkeypatch, bar, FakeClock(0.5), n_samples=16)
+    lines = fit_plain(monkeypatch, bar, FakeClock(0.5), n_samples=16,
+                      device_parameters=DeviceParameters(device="cuda"))
     match = re.search(r" mem (\d+\.\d\d)/(\d+\.\d\d) GiB$", lines[-2])
     assert match and " rss " not in lines[-2], lines
     assert float(match.group(1)) <= float(match.group(2))
@@ -223,7 +228,7 @@ from tests.helpers.toy import ToyTrainer, toy_config
 
 clock = FakeClock(seconds_per_batch=0.5)
 time.perf_counter = clock
-ToyTrainer(toy_config(n_samples=64, device_parameters=DeviceParameters.DDP(),
+ToyTrainer(toy_config(n_samples=64, device_parameters=DeviceParameters.DDP(device="cpu"),
                       callbacks=[clock, ProgressBar(refresh_every_n_steps=2)])).fit()
 """
 

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from dream_trainer.callbacks import Callback
 from dream_trainer.callbacks.throughput import Throughput
+from dream_trainer.configs import DeviceParameters
 from dream_trainer.utils.memory import process_rss_bytes
 from tests.helpers.toy import (RecordingLogger, ToyTrainer, logged_toy_config, toy_config,
                                toy_dataset)
@@ -44,6 +45,9 @@ def fit(monkeypatch: pytest.MonkeyPatch, throughput: Throughput, clock: FakeCloc
         trainer_class: type[ToyTrainer] = ToyTrainer, **config: Any) -> ToyTrainer:
     monkeypatch.setattr(time, "perf_counter", clock)
     make_config = logged_toy_config if issubclass(trainer_class, RecordingLogger) else toy_config
+    # The expected memory keys are the CPU's: on a machine with a GPU too, only a test that
+    # asks for CUDA gets it.
+    config.setdefault("device_parameters", DeviceParameters(device="cpu"))
     trainer = trainer_class(make_config(callbacks=[clock, throughput], **config))
     trainer.fit()
     return trainer
@@ -141,7 +145,8 @@ def test_memory_is_the_process_rss(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_peaks_are_logged_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     throughput = Throughput(window=2)
-    trainer = fit(monkeypatch, throughput, FakeClock(0.5), Logging, n_samples=64)
+    trainer = fit(monkeypatch, throughput, FakeClock(0.5), Logging, n_samples=64,
+                  device_parameters=DeviceParameters(device="cuda"))
     assert trainer.world.device.type == "cuda"
     logged = trainer.logged[0][0]  # type: ignore[attr-defined]
     allocated = logged["memory/cuda_allocated_peak_gib"]

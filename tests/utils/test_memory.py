@@ -53,6 +53,21 @@ def test_each_window_sees_its_own_peak_when_another_resets(allocator: FakeAlloca
     assert bar.read() == (30, 30)
 
 
+def test_a_device_named_without_its_index_shares_the_indexed_counter(
+        allocator: FakeAllocator, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A benchmark opened a window on "cuda" while the trainer's callbacks read theirs on
+    # "cuda:0"; the two were not folded, and the benchmark's peak was the last window's alone
+    # (12.09 GiB instead of 39.53 on an H200).
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    outer, callback = CudaPeakWindow(torch.device("cuda")), CudaPeakWindow(torch.device("cuda", 0))
+    assert outer.device == callback.device == torch.device("cuda", 0)
+    allocator.use(100)
+    allocator.use(10)
+    assert callback.read() == (100, 100)
+    allocator.use(40)
+    assert outer.peek() == (100, 100)
+
+
 def test_windows_of_other_devices_are_left_alone(allocator: FakeAllocator) -> None:
     first = CudaPeakWindow(torch.device("cuda", 0))
     other = CudaPeakWindow(torch.device("cuda", 1))
