@@ -30,15 +30,15 @@ def prepare_loader(loader: Iterable[Any] | None, num_replicas: int, rank: int, s
     - for validation, with ``ValidationBatches``: each sample is read once, by one rank, so
       that metrics and means over the ranks equal one process's.
 
-    A loader over a ``ShardedStream`` is kept, and the stream told this rank's share.
+    A loader over a ``ShardedStream`` is kept, and the stream told this rank's share and the
+    loader's batch size (its block).
     Loaders that already split the data, iterable datasets and custom samplers are returned
     unchanged (the last with a warning when there are several ranks: they must split the data
     themselves).
     """
     stream = stream_of(loader)
     if stream is not None:
-        check_stream_loader(loader)
-        stream.distribute(num_replicas, rank)
+        stream.distribute(num_replicas, rank, check_stream_loader(loader))
         return loader
     if loader is None or not isinstance(loader, DataLoader):
         return loader

@@ -1,22 +1,29 @@
-"""A stream whose position is global: it resumes on any number of ranks and loader workers.
+"""A stream in one global sample order: every layout reads the same samples, and a resume
+continues that order on any number of ranks and loader workers.
 
-``ShardedStream`` reads an indexable source (a list, a map-style dataset, a Hugging Face
-``datasets.Dataset`` over local files) as one endless sequence of *positions*: position ``g``
-is item ``order(g // N)[g % N]`` of pass ``g // N`` (a fresh permutation each pass when
-shuffling). The positions not yet read form a *work list*; a run with ``S`` reading slots (one
-per loader worker of each data-parallel rank) deals it round-robin: slot ``s`` reads work items
-``s, s + S, s + 2S, ...``.
+``ShardedStream`` numbers its samples ``0, 1, 2, ...`` (*positions*). Without packing, sample
+``g`` is item ``order_p[g % N]`` of pass ``p = g // N`` (``order_p`` a fresh permutation each
+pass when shuffling); packed into sequences of ``L`` tokens, sample ``g`` is tokens
+``[g L, (g + 1) L)`` of the items' tokens concatenated in pass order, pass after pass, found
+through the items' lengths (``length_index``). The order depends on the source, the seed and
+the pass, nothing else.
 
-What a slot has read is two numbers (items finished, tokens read of the next one), so what every
-slot has read together, merged, is a set of positions: the ``Progress``. It does not depend on
-how many slots read it, which is what lets a run continue on another number of ranks or
-workers: the positions left over (and the unread rest of items cut mid-way by token packing)
-are dealt to the new slots, and every remaining item is read exactly once.
+The positions not yet read, in order, are the *work list*. Its blocks of ``B`` samples (``B``
+the micro-batch size) are dealt round-robin to the ``S = R x W`` reading *slots*, slot
+``w R + r`` being loader worker ``w`` of data-parallel rank ``r``. A loader that takes its
+workers' batches in turn then hands rank ``r`` block ``j R + r`` as its ``j``-th micro-batch:
+micro-step ``j`` of all ranks together holds work-list samples ``[j R B, (j + 1) R B)``,
+whatever ``R`` and ``W`` are, so a global batch holds the same samples on every layout.
+
+What a slot has read is one number, the samples it yielded; the reads of every slot, merged,
+are a set of positions (``Progress``) that does not depend on how many slots read them. A
+resume deals the work list left to the new run's slots: on the same layout it continues
+bit-exactly, on another one it reads every remaining sample once, in the global order.
 """
 
 from __future__ import annotations
 
-import itertools
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +31,11 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from dream_trainer.data.length_index import default_tokens, length_index
+
 Interval = tuple[int, int]
+# What ``ShardedStream.piece`` writes; positions of another format meant other samples.
+FORMAT = 2
 
 
 @dataclass
@@ -32,49 +43,36 @@ class Progress:
     """The positions of a stream read so far, over every rank and worker.
 
     Attributes:
-        consumed: Sorted, disjoint ``[start, stop)`` ranges of positions read whole.
-        partial: Positions read in part (token packing), by tokens read.
+        consumed: Sorted, disjoint ``[start, stop)`` ranges of positions read.
     """
 
     consumed: list[Interval] = field(default_factory=list)
-    partial: dict[int, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"consumed": [list(interval) for interval in self.consumed],
-                "partial": sorted([position, read] for position, read in self.partial.items())}
+        return {"consumed": [list(interval) for interval in self.consumed]}
 
     @classmethod
     def from_dict(cls, state: Mapping[str, Any]) -> Progress:
-        return cls([(int(a), int(b)) for a, b in state["consumed"]],
-                   {int(position): int(read) for position, read in state["partial"]})
+        return cls(_merged([(int(a), int(b)) for a, b in state["consumed"]]))
 
-    def fragments(self) -> list[tuple[int, int]]:
-        """The work list's head: each partly read position and the tokens already read."""
-        return sorted(self.partial.items())
-
-    def fresh(self, index: int) -> Iterator[int]:
-        """The unread positions (neither consumed nor partial), from the ``index``-th on."""
-        excluded = _merged(self.consumed + [(p, p + 1) for p in self.partial])
-        position, cursor = 0, 0
-        # Jump over the excluded ranges until the index-th unread position is in sight.
-        while cursor < len(excluded) and index >= excluded[cursor][0] - position:
-            index -= excluded[cursor][0] - position
-            position = excluded[cursor][1]
-            cursor += 1
-        position += index
-        while True:
-            if cursor < len(excluded) and position >= excluded[cursor][0]:
-                position = excluded[cursor][1]
-                cursor += 1
-                continue
-            yield position
-            position += 1
-
-    def work(self) -> Iterator[tuple[int, int]]:
-        """The work list: ``(position, tokens already read)``, partly read positions first."""
-        yield from self.fragments()
-        for position in self.fresh(0):
-            yield position, 0
+    def unread(self, start: int, stop: int) -> list[Interval]:
+        """The positions of work-list entries ``[start, stop)`` (the unread positions in
+        order, numbered from 0), as ranges."""
+        ranges: list[Interval] = []
+        position = index = 0  # the unread position `position` is work-list entry `index`
+        for consumed_start, consumed_stop in self.consumed:
+            gap = consumed_start - position
+            low, high = max(start, index), min(stop, index + gap)
+            if low < high:
+                ranges.append((position + low - index, position + high - index))
+            index += gap
+            position = consumed_stop
+            if index >= stop:
+                return ranges
+        low = max(start, index)
+        if low < stop:
+            ranges.append((position + low - index, position + stop - index))
+        return ranges
 
 
 def _merged(intervals: list[Interval]) -> list[Interval]:
@@ -94,85 +92,69 @@ def merge_progress(pieces: Sequence[Mapping[str, Any]]) -> Progress:
 
     Args:
         pieces: What each data-parallel rank saved (``ShardedStream.piece``): the progress
-            its slots started from, the number of slots and each of its slots' reads.
+            its slots started from, the slots, the block size and each slot's reads.
 
     Raises:
-        ValueError: if the pieces do not describe one run (different starting progress or
-            slot counts, a slot missing or given twice).
+        ValueError: if the pieces do not describe one run (different starting progress,
+            slot counts or block sizes, a slot missing or given twice), or were written
+            before streams had one global order.
     """
     if not pieces:
         raise ValueError("no stream positions to merge")
-    base, slots = pieces[0]["progress"], int(pieces[0]["slots"])
-    reads: dict[int, tuple[int, int]] = {}
+    if any(piece.get("format") != FORMAT for piece in pieces):
+        raise ValueError(
+            "the checkpoint's ShardedStream position was written before streams had one "
+            "global sample order (its packed samples depended on the layout, so its "
+            "positions name other samples): resume it with the dream_trainer that wrote it, "
+            "or start a new run from its weights (init_weights_from)"
+        )
+    first = pieces[0]
+    base, slots, block = first["progress"], int(first["slots"]), int(first["batch_size"])
+    reads: dict[int, int] = {}
     for piece in pieces:
-        if piece["progress"] != base or int(piece["slots"]) != slots:
+        if (piece["progress"], int(piece["slots"]), int(piece["batch_size"])) \
+                != (base, slots, block):
             raise ValueError("the saved stream positions come from different runs (their "
-                             "starting positions or slot counts differ)")
-        for slot, taken, offset in piece["reads"]:
+                             "starting positions, slot counts or batch sizes differ)")
+        for slot, yielded in piece["reads"]:
             if slot in reads:
                 raise ValueError(f"stream slot {slot} was saved twice")
-            reads[int(slot)] = (int(taken), int(offset))
+            reads[int(slot)] = int(yielded)
     missing = sorted(set(range(slots)) - set(reads))
     if missing:
         raise ValueError(f"the saved stream positions lack slots {missing} of {slots}")
-    return _advance(Progress.from_dict(base), slots, reads)
+    return _advance(Progress.from_dict(base), slots, block, reads)
 
 
-def _advance(base: Progress, slots: int, reads: Mapping[int, tuple[int, int]]) -> Progress:
-    """``base`` after slot ``s`` of ``slots`` finished ``reads[s][0]`` work items and read
-    ``reads[s][1]`` tokens of its next one."""
-    # Work items below `whole` are finished (every slot is past them); above it, a slot that
-    # read further finished its own few. The partly read item of a slot is its next one.
-    whole = min(slot + taken * slots for slot, (taken, _) in reads.items())
-    finished = {slot + step * slots for slot, (taken, _) in reads.items()
-                for step in range(max(0, (whole - slot + slots - 1) // slots), taken)}
-    started = {slot + taken * slots: offset for slot, (taken, offset) in reads.items() if offset}
-    fragments = base.fragments()
-    head = len(fragments)
-
-    def fresh_position(index: int) -> int:
-        return next(base.fresh(index))
-
-    consumed = list(base.consumed)
-    partial: dict[int, int] = {}
-    for index, (position, read) in enumerate(fragments):
-        if index < whole or index in finished:
-            consumed.append((position, position + 1))
-        else:
-            partial[position] = read + started.get(index, 0)
-    if whole > head:
-        # Every unread position below the first unfinished fresh one is finished, so the range
-        # below it is consumed but for the fragments still being read.
-        bound = fresh_position(whole - head)
-        cuts = sorted(p for p in partial if p < bound)
-        start = 0
-        for cut in cuts:
-            consumed.append((start, cut))
-            start = cut + 1
-        consumed.append((start, bound))
-    for index in finished:
-        if index >= head:
-            position = fresh_position(index - head)
-            consumed.append((position, position + 1))
-    for index, offset in started.items():
-        if index >= head:
-            partial[fresh_position(index - head)] = offset
-    return Progress(_merged(consumed), partial)
+def _advance(base: Progress, slots: int, block: int, reads: Mapping[int, int]) -> Progress:
+    """``base`` after slot ``s`` of ``slots`` yielded ``reads[s]`` samples of its blocks
+    (blocks ``s, s + slots, ...`` of ``block`` work-list entries each)."""
+    # Every slot finished its first `whole` blocks: the work list below them is read. Past
+    # them, each slot read a few blocks (at most one in part) of its own.
+    whole = min(yielded // block for yielded in reads.values())
+    entries = [(0, whole * slots * block)]
+    for slot, yielded in reads.items():
+        for turn in range(whole, yielded // block + 1):
+            start = (turn * slots + slot) * block
+            entries.append((start, start + min(block, yielded - turn * block)))
+    read = [span for start, stop in entries if start < stop
+            for span in base.unread(start, stop)]
+    return Progress(_merged(base.consumed + read))
 
 
 class ShardedStream(IterableDataset[Any]):
-    """An endless stream over ``source`` whose checkpointed position is global.
+    """An endless stream over ``source`` in one global sample order, with a global position.
 
-    Each data-parallel rank (set by ``distribute``; the trainer calls it) and each loader
-    worker reads its own slot of the stream. Without workers the position is the stream's own;
+    Every data-parallel rank (set by ``distribute``; the trainer calls it) and loader worker
+    reads its own blocks of that order. Without workers the position is the stream's own;
     with workers, read the stream through torchdata's ``StatefulDataLoader``, which keeps each
-    worker's position with the batches it returns. The trainer saves each rank's slots and
+    worker's position with the batches it returns. The trainer saves each rank's reads and
     merges them on resume, on any number of ranks and workers (``merge_progress``).
 
-    With ``sequence_length`` the stream packs tokens: the items' tokens (``tokens(item)``,
-    by default ``item["input_ids"]`` or the item itself) are concatenated and cut into
-    ``LongTensor``s of ``sequence_length`` tokens; an item cut at a checkpoint continues from
-    the token where it was cut.
+    With ``sequence_length`` the stream packs tokens: the items' tokens (``tokens(item)``, by
+    default ``item["input_ids"]`` or the item itself), concatenated in the pass's order, are
+    cut into ``LongTensor``s of ``sequence_length`` tokens. The items' lengths are found once
+    (``lengths``, ``index_cache``) so that any sample can be read without the ones before it.
 
     Args:
         source: Any object with ``len()`` and integer indexing.
@@ -181,84 +163,80 @@ class ShardedStream(IterableDataset[Any]):
         sequence_length: Pack tokens into sequences of this length (None: yield items).
         tokens: An item's token ids, when packing.
         transform: Applied to each item when not packing.
+        lengths: When packing, every item's token count, or the name of the source's column
+            holding them; None finds them (see ``length_index``).
+        index_cache: A file for the lengths found: read when it matches the source.
 
     Raises:
-        ValueError: for an empty source or a sequence length below 1.
+        ValueError: for an empty source, a sequence length below 1, a source without
+            tokens, or ``lengths``/``index_cache`` without packing.
     """
 
     def __init__(self, source: Any, *, shuffle: bool = True, seed: int = 0,
                  sequence_length: int | None = None,
                  tokens: Callable[[Any], Sequence[int]] | None = None,
-                 transform: Callable[[Any], Any] | None = None) -> None:
+                 transform: Callable[[Any], Any] | None = None,
+                 lengths: Sequence[int] | str | None = None,
+                 index_cache: str | os.PathLike[str] | None = None) -> None:
         if len(source) == 0:
             raise ValueError("ShardedStream needs a non-empty source")
         if sequence_length is not None and sequence_length < 1:
             raise ValueError(f"sequence_length={sequence_length} must be at least 1")
+        if sequence_length is None and (lengths is not None or index_cache is not None):
+            raise ValueError("lengths and index_cache are the token counts packing needs: "
+                             "give sequence_length too, or leave them out")
         self.source = source
         self.shuffle = shuffle
         self.seed = seed
         self.sequence_length = sequence_length
-        self.tokens = tokens or _default_tokens
+        self.tokens = tokens or default_tokens
         self.transform = transform
-        self.num_replicas, self.rank = 1, 0
+        self.lengths = None if sequence_length is None \
+            else length_index(source, tokens, lengths, index_cache)
+        if self.lengths is not None and int(self.lengths.sum()) == 0:
+            raise ValueError("the source has no tokens to pack: every item's token count "
+                             "is 0")
+        self.num_replicas, self.rank, self.batch_size = 1, 0, 1
         self.progress = Progress()
-        self._read: tuple[int, int, int, int] | None = None  # slot, slots, taken, offset
+        self._read: tuple[int, int, int] | None = None  # slot, slots, samples yielded
 
-    def distribute(self, num_replicas: int, rank: int) -> None:
-        """Read the share of data-parallel rank ``rank`` of ``num_replicas``.
+    def distribute(self, num_replicas: int, rank: int, batch_size: int = 1) -> None:
+        """Read the share of data-parallel rank ``rank`` of ``num_replicas``, in blocks of
+        ``batch_size`` samples (the loader's micro-batch).
 
         Raises:
-            ValueError: for a rank outside ``[0, num_replicas)``.
+            ValueError: for a rank outside ``[0, num_replicas)`` or a batch size below 1.
         """
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
-        self.num_replicas, self.rank = num_replicas, rank
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be at least 1")
+        self.num_replicas, self.rank, self.batch_size = num_replicas, rank, batch_size
 
-    def item(self, position: int) -> Any:
-        """The source item at stream position ``position``."""
-        return _Items(self)[position]
+    def sample(self, position: int) -> Any:
+        """The sample at stream position ``position`` (what the stream yields there)."""
+        return _Samples(self)[position]
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        slot, slots = self.rank * workers + worker, self.num_replicas * workers
-        self._read = (slot, slots, 0, 0)
-        mine = itertools.islice(self.progress.work(), slot, None, slots)
-        items = _Items(self)
-        if self.sequence_length is None:
-            for taken, (position, _) in enumerate(mine):
-                self._read = (slot, slots, taken + 1, 0)
-                value = items[position]
-                yield value if self.transform is None else self.transform(value)
-        else:
-            yield from self._packed(mine, items, slot, slots)
-
-    def _packed(self, mine: Iterator[tuple[int, int]], items: _Items, slot: int,
-                slots: int) -> Iterator[torch.Tensor]:
-        assert self.sequence_length is not None
-        length = self.sequence_length
-        buffer: list[int] = []
-        for taken, (position, skip) in enumerate(mine):
-            ids = list(self.tokens(items[position]))[skip:]
-            read = 0
-            while read < len(ids):
-                piece = ids[read:read + length - len(buffer)]
-                buffer.extend(piece)
-                read += len(piece)
-                if len(buffer) == length:
-                    # The position a checkpoint sees is the next token to read.
-                    self._read = (slot, slots, taken + 1, 0) if read == len(ids) \
-                        else (slot, slots, taken, read)
-                    yield torch.tensor(buffer, dtype=torch.long)
-                    buffer = []
+        slot, slots = worker * self.num_replicas + self.rank, self.num_replicas * workers
+        self._read = (slot, slots, 0)
+        samples, size, yielded = _Samples(self), self.batch_size, 0
+        for block in range(slot, 2**62, slots):
+            for start, stop in self.progress.unread(block * size, (block + 1) * size):
+                for position in range(start, stop):
+                    value = samples[position]
+                    yielded += 1
+                    # The position a checkpoint sees is after this sample.
+                    self._read = (slot, slots, yielded)
+                    yield value
 
     # -- position ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """This process's reads (the slot it reads, items finished, tokens read of the next);
-        what a ``StatefulDataLoader`` keeps for each worker."""
-        if self._read is None:
-            return {"read": None}
-        return {"read": list(self._read)}
+        """This process's reads (its slot, the slot count, samples yielded); what a
+        ``StatefulDataLoader`` keeps for each worker."""
+        return {"read": None if self._read is None else list(self._read)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Refused: one slot's reads mean nothing without the others'.
@@ -279,48 +257,86 @@ class ShardedStream(IterableDataset[Any]):
 
     def piece(self, reads: Sequence[Mapping[str, Any] | None], workers: int) -> dict[str, Any]:
         """This rank's share of the global position, from its workers' ``state_dict()``s (in
-        worker order; None or ``{"read": None}`` for a worker that has read nothing)."""
-        slots = self.num_replicas * max(workers, 1)
+        worker order; None or ``{"read": None}`` for a worker that has read nothing).
+
+        Raises:
+            ValueError: for a worker's reads that belong to another slot.
+        """
+        workers = max(workers, 1)
+        slots = self.num_replicas * workers
         saved = []
         for worker, state in enumerate(reads):
             read = None if state is None else state.get("read")
-            slot = self.rank * max(workers, 1) + worker
-            if read is None:
-                saved.append([slot, 0, 0])
-            else:
-                if int(read[1]) != slots or int(read[0]) != slot:
-                    raise ValueError(f"worker {worker}'s stream position belongs to slot "
-                                     f"{read[0]} of {read[1]}, not {slot} of {slots}")
-                saved.append([slot, int(read[2]), int(read[3])])
-        return {"progress": self.progress.as_dict(), "slots": slots, "reads": saved}
+            slot = worker * self.num_replicas + self.rank
+            if read is not None and (int(read[0]), int(read[1])) != (slot, slots):
+                raise ValueError(f"worker {worker}'s stream position belongs to slot "
+                                 f"{read[0]} of {read[1]}, not {slot} of {slots}")
+            saved.append([slot, 0 if read is None else int(read[2])])
+        return {"format": FORMAT, "progress": self.progress.as_dict(), "slots": slots,
+                "batch_size": self.batch_size, "reads": saved}
 
 
-class _Items:
-    """Items by position, with one pass's permutation cached."""
+class _Samples:
+    """Samples by position, with the current pass's order (and token offsets) cached."""
 
     def __init__(self, stream: ShardedStream) -> None:
         self.stream = stream
         self.size = len(stream.source)
-        self.step: int | None = None
-        self.order: torch.Tensor | None = None
+        self.total = 0 if stream.lengths is None else int(stream.lengths.sum())
+        self.pass_index: int | None = None
+        self.order = self.ends = torch.empty(0, dtype=torch.int64)
+        self.document: tuple[int, list[int]] | None = None  # item index, its tokens
 
     def __getitem__(self, position: int) -> Any:
-        step, index = divmod(position, self.size)
+        if self.stream.sequence_length is None:
+            step, index = divmod(position, self.size)
+            value = self.stream.source[self._item(step, index)]
+            return value if self.stream.transform is None else self.stream.transform(value)
+        return self._packed(position * self.stream.sequence_length)
+
+    def _item(self, step: int, index: int) -> int:
         if not self.stream.shuffle:
-            return self.stream.source[index]
-        if step != self.step:
+            return index
+        self._load_pass(step)
+        return int(self.order[index])
+
+    def _load_pass(self, step: int) -> None:
+        if step == self.pass_index:
+            return
+        if self.stream.shuffle:
             generator = torch.Generator().manual_seed(self.stream.seed * 1_000_003 + step)
-            self.order, self.step = torch.randperm(self.size, generator=generator), step
-        assert self.order is not None
-        return self.stream.source[int(self.order[index])]
+            self.order = torch.randperm(self.size, generator=generator)
+        else:
+            self.order = torch.arange(self.size)
+        if self.stream.lengths is not None:
+            self.ends = torch.cumsum(self.stream.lengths[self.order], 0)
+        self.pass_index = step
 
+    def _packed(self, token: int) -> torch.Tensor:
+        length = self.stream.sequence_length
+        assert length is not None
+        out: list[int] = []
+        while len(out) < length:
+            step, offset = divmod(token + len(out), self.total)
+            self._load_pass(step)
+            # The item holding the pass's `offset`-th token: the first whose end is past it.
+            index = int(torch.searchsorted(self.ends, offset, right=True))
+            begin = int(self.ends[index - 1]) if index else 0
+            ids = self._tokens(int(self.order[index]))
+            out.extend(ids[offset - begin:offset - begin + length - len(out)])
+        return torch.tensor(out, dtype=torch.long)
 
-def _default_tokens(item: Any) -> Sequence[int]:
-    if isinstance(item, Mapping):
-        return item["input_ids"]
-    if isinstance(item, torch.Tensor):
-        return item.tolist()
-    return item
+    def _tokens(self, item: int) -> list[int]:
+        if self.document is None or self.document[0] != item:
+            ids = list(self.stream.tokens(self.stream.source[item]))
+            assert self.stream.lengths is not None
+            if len(ids) != int(self.stream.lengths[item]):
+                raise ValueError(
+                    f"item {item} has {len(ids)} tokens but the length index says "
+                    f"{int(self.stream.lengths[item])}: the index does not describe this "
+                    "source (delete the index_cache file, or fix the lengths given)")
+            self.document = (item, ids)
+        return self.document[1]
 
 
 def stream_of(loader: Any) -> ShardedStream | None:
@@ -342,17 +358,32 @@ def loader_piece(loader: Any, stream: ShardedStream) -> dict[str, Any]:
     return stream.piece(reads, workers)
 
 
-def check_stream_loader(loader: Any) -> None:
-    """Refuse a loader whose workers' positions cannot be known.
+def check_stream_loader(loader: Any) -> int:
+    """The micro-batch size of a loader over a ``ShardedStream``, once it is known that the
+    loader returns the stream's blocks in the global order.
 
     Raises:
-        ValueError: for worker processes under a loader without ``state_dict()``.
+        ValueError: for worker processes under a loader without ``state_dict()``, workers
+            taken out of turn (``in_order=False``), or no ``batch_size``.
     """
-    if int(getattr(loader, "num_workers", 0)) and not callable(getattr(loader, "state_dict",
-                                                                       None)):
+    name = type(loader).__name__
+    workers = int(getattr(loader, "num_workers", 0))
+    if workers and not callable(getattr(loader, "state_dict", None)):
         raise ValueError(
-            f"a ShardedStream read by {type(loader).__name__} with num_workers="
-            f"{loader.num_workers}: a plain DataLoader does not say what each worker has "
-            "returned, so the stream's position could not be saved. Read it through "
-            "torchdata's StatefulDataLoader (same arguments), or with num_workers=0"
+            f"a ShardedStream read by {name} with num_workers={workers}: a plain DataLoader "
+            "does not say what each worker has returned, so the stream's position could not "
+            "be saved. Read it through torchdata's StatefulDataLoader (same arguments), or "
+            "with num_workers=0"
         )
+    if workers and getattr(loader, "in_order", True) is False:
+        raise ValueError(
+            f"a ShardedStream read by {name} with in_order=False: batches taken from "
+            "whichever worker is ready leave the global sample order; keep in_order=True"
+        )
+    batch_size = getattr(loader, "batch_size", None)
+    if not isinstance(batch_size, int):
+        raise ValueError(
+            f"a ShardedStream read by {name} without a batch_size: the stream deals its "
+            "samples in blocks of the micro-batch, so give the loader batch_size"
+        )
+    return batch_size

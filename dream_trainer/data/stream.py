@@ -10,9 +10,9 @@ Four kinds of train loader resume mid-epoch in four ways:
   processes over a dataset that has them: its state is checkpointed for each data-parallel
   rank and loaded back, so the resumed run continues where the loader was, reading nothing
   twice, in a time that does not grow with the position;
-- a loader over a ``ShardedStream`` (see ``sharded``): each rank saves what its slots read, and a
-  resume merges every rank's into one global position that any number of ranks and workers
-  continue from;
+- a loader over a ``ShardedStream`` (see ``sharded``): each rank saves what its slots read, and
+  a resume merges every rank's into one global position from which any number of ranks and
+  workers continue the stream's one sample order;
 - any other loader is read from the start of the epoch and the batches already done are
   discarded, which repeats them only if its order is deterministic.
 
@@ -118,8 +118,8 @@ class TrainBatches:
 
         A ``ShardedStream`` continues from the saved ranks' reads merged, on any number of
         ranks. Otherwise, with another number of data-parallel ranks than the checkpoint's,
-        the loader (or its dataset) must define ``resplit_state(states, num_replicas, rank)``, which turns the
-        saved ranks' states (a list, by saved rank) into this rank's.
+        the loader (or its dataset) must define ``resplit_state(states, num_replicas,
+        rank)``, which turns the saved ranks' states (a list, by saved rank) into this rank's.
 
         Raises:
             ValueError: if the number of data-parallel ranks changed and nothing can re-split

@@ -1,32 +1,37 @@
-"""A packed ShardedStream read on 4 ranks x 2 workers, SIGKILLed mid-epoch, resumed on 2 ranks
-x 1 worker, SIGKILLed again, and finished on 3 ranks x 2 workers: over the whole run every
-token is trained on exactly as often as the stream's merged position says it was read (no
-token twice, none lost), and that position covers the whole dataset. Once with a list of
-documents, once with a Hugging Face ``datasets`` source built from local parquet files."""
+"""ShardedStream under the trainer, on a ``datasets`` source built from local parquet files.
+
+- On 2 ranks x 2 loader workers, a run SIGKILLed after a checkpoint and rerun ends with the
+  uninterrupted run's weights, bit for bit: packed in order, packed with the default shuffle,
+  and unpacked.
+- The packed stream on 1, 2 and 4 ranks with one global batch (12 samples) trains on the same
+  global batches, in the same order, and SGD ends with one process's weights (to 1e-6: the
+  mean over ranks rounds differently from one mean).
+- Killed on 4 ranks x 2 workers, resumed on 2 x 1, killed again and finished on 3 x 2, the
+  run trains on one process's global batches, in order: every remaining sample once.
+"""
 
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
-from dream_trainer.data import ShardedStream
-from dream_trainer.data.sharded import merge_progress
 from tests.helpers.launch import REPO, run_script
-from tests.helpers.sharded import DOCUMENTS, documents
+from tests.helpers.sharded import documents
 
 SCRIPT = REPO / "tests/scripts/sharded_stream_run.py"
-CHECKPOINT_EVERY, MAX_STEPS = 4, 16
-# (ranks, workers, the step rank 0 is killed after); each resumes from the newest checkpoint.
-CHAIN = [(4, 2, 6), (2, 1, 10), (3, 2, None)]
+CHECKPOINT_EVERY = 3  # the script's
+EXACT_RUNS = ("inorder:2:p", "shuffled:2:sp", "items:2:s")  # 2 ranks x 2 workers, AdamW
+STEPS, EXACT_KILL, GLOBAL_BATCH = 12, 5, 12
+# The resumed chain: (ranks, workers, step it is killed after; None: it finishes).
+CHAIN = [(4, 2, 5), (2, 1, 8), (3, 2, None)]
 
 
 def parquet_dataset(tmp_path: Path) -> Path:
     """The documents as two local parquet shards, loaded by ``datasets`` and saved as arrow."""
-    if (tmp_path / "arrow").exists():
-        return tmp_path / "arrow"
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -43,67 +48,102 @@ def parquet_dataset(tmp_path: Path) -> Path:
     return tmp_path / "arrow"
 
 
-def trained_tokens(log_dir: Path, first_step: int, last_step: int) -> list[int]:
-    """Tokens of the steps ``first_step`` to ``last_step`` (steps done before each) of every
-    rank's log: the steps a checkpoint kept."""
-    tokens = []
-    for log in sorted(log_dir.glob("rank*.jsonl")):
-        for line in log.read_text().splitlines():
-            entry = json.loads(line)
-            if first_step <= entry["step"] <= last_step:
-                tokens.extend(t for row in entry["tokens"] for t in row)
-    return tokens
-
-
-SOURCES = ("datasets", "list")
+def launch(tmp_path: Path, ranks: int, workers: int, max_steps: int, log: str,
+           runs: list[str], kill: int | None = None) -> None:
+    args: list[Any] = [tmp_path / "run", tmp_path / log, "--data", tmp_path / "arrow",
+                       "--workers", workers, "--max-steps", max_steps]
+    for spec in runs:
+        args += ["--run", spec]
+    if kill is not None:
+        args += ["--kill-step", kill, "--markers", tmp_path / "markers"]
+    result = run_script(SCRIPT, ranks, *args)
+    if kill is None:
+        assert result.returncode == 0, result.stderr[-3000:]
+    else:  # the marker says the kill came where it was meant to, not an earlier failure
+        assert result.returncode != 0 and (tmp_path / "markers" / f"step_{kill}").exists(), \
+            result.stderr[-3000:]
+        (tmp_path / "markers" / f"step_{kill}").unlink()
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The three launches of CHAIN, each running both sources' runs (see the script)."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Six launches: 1 rank; 2 ranks (uninterrupted runs, then runs killed); 2 ranks (the
+    killed runs resumed); the 4 -> 2 -> 3 chain (its first launch also runs 4 ranks whole)."""
     tmp_path = tmp_path_factory.mktemp("sharded_stream")
     (tmp_path / "markers").mkdir()
-    for launch, (ranks, workers, kill) in enumerate(CHAIN):
-        args = [tmp_path / "run", tmp_path / f"log{launch}", "--sources", ",".join(SOURCES),
-                "--data", parquet_dataset(tmp_path), "--workers", str(workers),
-                "--max-steps", str(MAX_STEPS)]
-        if kill is not None:
-            args += ["--kill", f"step:{kill}", "--markers", tmp_path / "markers"]
-        result = run_script(SCRIPT, ranks, *args)
-        if kill is None:
-            assert result.returncode == 0, result.stderr[-3000:]
-        else:  # the marker says the kill came where it was meant to, not an earlier failure
-            assert result.returncode != 0 and (tmp_path / "markers" / f"step_{kill}").exists(), \
-                result.stderr[-3000:]
+    parquet_dataset(tmp_path)
+    launch(tmp_path, 1, 2, STEPS, "one", [f"sgd1:{GLOBAL_BATCH}:spg"])
+    # Uninterrupted first; then the same runs killed after step 5, the last by SIGKILL.
+    launch(tmp_path, 2, 2, STEPS, "first", [f"sgd2:{GLOBAL_BATCH // 2}:spg",
+                                            *(f"whole-{s}" for s in EXACT_RUNS),
+                                            *(f"split-{s}k" for s in EXACT_RUNS)],
+           kill=EXACT_KILL)
+    launch(tmp_path, 2, 2, STEPS, "resumed", [f"split-{s}" for s in EXACT_RUNS])
+    batch4 = GLOBAL_BATCH // 4
+    launch(tmp_path, 4, 2, STEPS, "chain0",
+           [f"sgd4:{batch4}:spg", f"chain:{batch4}:spgk"], kill=CHAIN[0][2])
+    for link, (ranks, workers, kill) in enumerate(CHAIN[1:], 1):
+        launch(tmp_path, ranks, workers, STEPS, f"chain{link}",
+               [f"chain:{GLOBAL_BATCH // ranks}:spg" + ("k" if kill else "")], kill=kill)
     return tmp_path
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("source", SOURCES)
-def test_packed_stream_resumed_on_other_ranks_and_workers_reads_every_token_once(
-        source: str, chain: Path) -> None:
-    tokens: list[int] = []
-    first_step = 0
-    for launch, (_, _, kill) in enumerate(CHAIN):
-        last_step = MAX_STEPS - 1 if kill is None \
-            else kill // CHECKPOINT_EVERY * CHECKPOINT_EVERY - 1
-        tokens += trained_tokens(chain / f"log{launch}" / source, first_step, last_step)
-        first_step = last_step + 1
-    # Each run resumed from the checkpoint before its kill and finished the step budget.
-    assert max(int(p.name.removeprefix("step_"))
-               for p in (chain / "run" / source).glob("**/step_*")) == MAX_STEPS
+def global_batches(log_dir: Path, first: int = 0, last: int = 10**9) -> list[list[Any]]:
+    """Each step's samples from every rank's log (steps ``first`` to ``last``), rank by rank."""
+    steps: dict[int, dict[int, list[Any]]] = {}
+    for log in sorted(log_dir.glob("rank*.jsonl")):
+        rank = int(log.stem.removeprefix("rank"))
+        for line in log.read_text().splitlines():
+            entry = json.loads(line)
+            if first <= entry["step"] <= last:
+                steps.setdefault(entry["step"], {})[rank] = entry["samples"]
+    return [[sample for rank in sorted(ranks) for sample in ranks[rank]]
+            for _, ranks in sorted(steps.items())]
 
-    pieces = [json.loads((chain / "log2" / source / f"piece{rank}.json").read_text())
-              for rank in range(CHAIN[-1][0])]
-    progress = merge_progress(pieces)
-    stream = ShardedStream(documents(), seed=5)
-    expected: list[int] = []
-    for start, stop in progress.consumed:
-        for position in range(start, stop):
-            expected += stream.item(position)
-    for position, read in progress.partial.items():
-        expected += stream.item(position)[:read]
-    assert Counter(tokens) == Counter(expected)
-    # The run read past the first pass: every document was read whole at least once.
-    assert progress.consumed[0][0] == 0 and progress.consumed[0][1] >= DOCUMENTS
-    assert set(Counter(tokens)) == {t for doc in documents() for t in doc}
+
+def weights(log_dir: Path) -> dict[str, torch.Tensor]:
+    saved = torch.load(log_dir / "final.pt")
+    return {name.removeprefix("module."): tensor for name, tensor in saved["weights"].items()}
+
+
+def last_kept(kill: int) -> int:
+    """The last step before the checkpoint a run killed after ``kill`` resumes from."""
+    return kill // CHECKPOINT_EVERY * CHECKPOINT_EVERY - 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("spec", EXACT_RUNS)
+def test_a_sigkilled_run_rerun_on_the_same_layout_is_bit_exact(spec: str, runs: Path) -> None:
+    run = spec.split(":")[0]
+    whole, resumed = runs / "first" / f"whole-{run}", runs / "resumed" / f"split-{run}"
+    expected, actual = weights(whole), weights(resumed)
+    assert expected.keys() == actual.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
+    # The steps after the checkpoint read the uninterrupted run's batches, in its order.
+    kept = last_kept(EXACT_KILL)
+    assert global_batches(resumed, kept + 1) == global_batches(whole, kept + 1)
+    assert global_batches(runs / "first" / f"split-{run}", 0, kept) \
+        == global_batches(whole, 0, kept)
+
+
+@pytest.mark.distributed
+def test_one_global_batch_is_the_same_samples_on_1_2_and_4_ranks(runs: Path) -> None:
+    one = global_batches(runs / "one" / "sgd1")
+    assert len(one) == STEPS and all(len(batch) == GLOBAL_BATCH for batch in one)
+    for ranks, log in ((2, runs / "first" / "sgd2"), (4, runs / "chain0" / "sgd4")):
+        assert global_batches(log) == one, ranks
+        reference, other = weights(runs / "one" / "sgd1"), weights(log)
+        for name, tensor in reference.items():
+            torch.testing.assert_close(other[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.distributed
+def test_resumed_on_other_layouts_every_remaining_sample_is_read_once_in_order(
+        runs: Path) -> None:
+    read, first = [], 0
+    for link, (_, _, kill) in enumerate(CHAIN):
+        last = STEPS - 1 if kill is None else last_kept(kill)
+        read += global_batches(runs / f"chain{link}" / "chain", first, last)
+        first = last + 1
+    assert read == global_batches(runs / "one" / "sgd1")

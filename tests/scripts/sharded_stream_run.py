@@ -1,14 +1,15 @@
-"""Script: a next-token model reading a packed ShardedStream through StatefulDataLoader
-workers; every rank logs the tokens of each step it trains and, at the end, its share of the
-stream's position. Resumes from the latest checkpoint.
+"""Script: a next-token model reading a ShardedStream (a ``datasets`` source from local files)
+through StatefulDataLoader workers; several runs, one after the other, in one launch. Every
+rank logs the samples of each step it trains; rank 0 saves the final weights. Each run resumes
+from its newest checkpoint.
 
-One launch runs a run per source (a list of documents, a ``datasets`` source), one after the
-other, each in ROOT/<source> logging to LOG_DIR/<source>. With ``--kill step:N`` each run dies
-after step N: every run but the last by an exception on every rank (so the next can start),
-the last by SIGKILL of rank 0.
+A run is ``NAME:BATCH:FLAGS``: the per-rank micro-batch, and flags ``s`` (shuffle), ``p``
+(pack into sequences), ``g`` (SGD; else AdamW), ``k`` (die after ``--kill-step``: by an
+exception on every rank, or by SIGKILL of rank 0 for the launch's last run). Run NAME lives
+in ROOT/NAME and logs to LOG_DIR/NAME.
 
-Usage: sharded_stream_run.py ROOT LOG_DIR --sources list,datasets [--data DIR] --workers W
-       --max-steps N [--kill step:N --markers DIR]
+Usage: sharded_stream_run.py ROOT LOG_DIR --data DIR --workers W --max-steps N
+       --run NAME:BATCH:FLAGS [--run ...] [--kill-step N --markers DIR]
 """
 
 from __future__ import annotations
@@ -29,41 +30,54 @@ from dream_trainer.data import ShardedStream
 from dream_trainer.mixins import (CheckpointConfigMixin, CheckpointMixin, SetupConfigMixin,
                                   SetupMixin)
 from tests.helpers.checkpointing import Killer
-from tests.helpers.sharded import BATCH, SEQUENCE, VOCAB, documents
+from tests.helpers.sharded import SEQUENCE, VOCAB
+
+CHECKPOINT_EVERY = 3
 
 
 class Config(BaseTrainerConfig, SetupConfigMixin, CheckpointConfigMixin):
-    source: str = "list"
-    data: str | None = None
-    workers: int = 2
-    log_dir: str = ""
+    data: str
+    workers: int
+    batch: int
+    flags: str
+    log_dir: str
 
 
-class PackedTrainer(BaseTrainer, SetupMixin, CheckpointMixin):
+def fixed_length(item: dict[str, Any]) -> torch.Tensor:
+    """An unpacked item as SEQUENCE tokens (cut or padded with 0), so items batch."""
+    ids = list(item["input_ids"])[:SEQUENCE]
+    return torch.tensor(ids + [0] * (SEQUENCE - len(ids)), dtype=torch.long)
+
+
+class StreamTrainer(BaseTrainer, SetupMixin, CheckpointMixin):
     config: Config
 
     def configure_models(self) -> None:
         self.model = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))
 
     def configure_optimizers(self) -> None:
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        parameters = self.model.parameters()
+        self.optimizer = torch.optim.SGD(parameters, lr=0.5) if "g" in self.config.flags \
+            else torch.optim.AdamW(parameters, lr=1e-2)
 
     def configure_dataloaders(self) -> tuple[Any, None]:
+        import datasets
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        if self.config.source == "datasets":
-            import datasets
-
-            source: Any = datasets.load_from_disk(self.config.data)
-        else:
-            source = documents()
-        stream = ShardedStream(source, seed=5, sequence_length=SEQUENCE)
-        return StatefulDataLoader(stream, batch_size=BATCH,
+        # No progress bar, so no tqdm monitor thread: forking the loader's workers while
+        # another thread runs can deadlock the child in CPython 3.11 (seen here, once).
+        datasets.disable_progress_bars()
+        source = datasets.load_from_disk(self.config.data)
+        packed = "p" in self.config.flags
+        stream = ShardedStream(source, seed=5, shuffle="s" in self.config.flags,
+                               sequence_length=SEQUENCE if packed else None,
+                               transform=None if packed else fixed_length)
+        return StatefulDataLoader(stream, batch_size=self.config.batch,
                                   num_workers=self.config.workers), None
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         with open(Path(self.config.log_dir) / f"rank{self.world.rank}.jsonl", "a") as log:
-            log.write(json.dumps({"step": self.global_step, "tokens": batch.tolist()}) + "\n")
+            log.write(json.dumps({"step": self.global_step, "samples": batch.tolist()}) + "\n")
         tokens = batch % VOCAB
         logits = self.model(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
@@ -88,45 +102,48 @@ class Crasher(Callback):
             raise Crash
 
 
-def run(args: argparse.Namespace, source: str, last: bool) -> None:
-    log_dir = args.log_dir / source
+def run(args: argparse.Namespace, spec: str, last: bool) -> None:
+    name, batch, flags = spec.split(":")
+    log_dir = args.log_dir / name
     log_dir.mkdir(parents=True, exist_ok=True)
-    trainer = PackedTrainer(Config(
+    trainer = StreamTrainer(Config(
         project="sharded", group="tests", experiment="run",
         device_parameters=DeviceParameters(),
         training_parameters=TrainingParameters(n_epochs=None, max_steps=args.max_steps,
-                                               train_batch_size=BATCH),
-        checkpoint_parameters=CheckpointParameters(root_dir=args.root / source,
-                                                   every_n_steps=4, every_n_epochs=None,
-                                                   resume="latest"),
-        source=source, data=args.data, workers=args.workers, log_dir=str(log_dir)))
-    if args.kill:
-        killer: Callback = Killer([args.kill], args.markers) if last \
-            else Crasher(int(args.kill.removeprefix("step:")))
+                                               train_batch_size=int(batch)),
+        checkpoint_parameters=CheckpointParameters(root_dir=args.root / name,
+                                                   every_n_steps=CHECKPOINT_EVERY,
+                                                   every_n_epochs=None, resume="latest"),
+        data=args.data, workers=args.workers, batch=int(batch), flags=flags,
+        log_dir=str(log_dir)))
+    if "k" in flags:
+        killer: Callback = Killer([f"step:{args.kill_step}"], args.markers) if last \
+            else Crasher(args.kill_step)
         trainer.callbacks.append(killer)
         trainer.callbacks.attach(trainer)
     try:
         trainer.fit()
     except Crash:
         return
-    piece = trainer.data_state_dict()
-    (log_dir / f"piece{trainer.world.rank}.json").write_text(json.dumps(piece))
+    if trainer.world.rank == 0:
+        torch.save({"global_step": trainer.global_step,
+                    "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict()
+                                .items()}}, log_dir / "final.pt")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("root", type=Path)
     parser.add_argument("log_dir", type=Path)
-    parser.add_argument("--sources", default="list")
-    parser.add_argument("--data")
+    parser.add_argument("--data", required=True)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--max-steps", type=int, required=True)
-    parser.add_argument("--kill")
+    parser.add_argument("--run", action="append", required=True)
+    parser.add_argument("--kill-step", type=int)
     parser.add_argument("--markers", type=Path)
     args = parser.parse_args()
-    sources = args.sources.split(",")
-    for index, source in enumerate(sources):
-        run(args, source, last=index == len(sources) - 1)
+    for index, spec in enumerate(args.run):
+        run(args, spec, last=index == len(args.run) - 1)
 
 
 if __name__ == "__main__":
