@@ -95,8 +95,11 @@ def sandboxed(trainer: BaseTrainer, **training: Any) -> Iterator[Sandbox]:
 
 def train_steps(trainer: BaseTrainer, steps: int, *callbacks: Callback[Any]) -> None:
     """``fit()`` for exactly ``steps`` optimizer steps in the sandbox, with ``callbacks``
-    added; each epoch has at least one step, so ``steps`` epochs always reach them."""
-    with sandboxed(trainer, max_steps=steps, n_epochs=steps):
+    added, over as many epochs as they take."""
+    # n_epochs=None, not a count: it is what a stream without a length (and no
+    # train_steps_per_epoch) needs to plan its one epoch of max_steps, and on any other loader
+    # it runs epochs until max_steps, however few steps the data gives each.
+    with sandboxed(trainer, max_steps=steps, n_epochs=None):
         attach(trainer, *callbacks)
         trainer.fit()
 
