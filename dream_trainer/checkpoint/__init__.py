@@ -1,9 +1,10 @@
 """Training checkpoints: layout, the full state, retention, the run lock (used by
-``CheckpointMixin``). ``export_checkpoint`` lives with the weight formats in
-``dream_trainer.weights`` and is exported here too."""
+``CheckpointMixin``), and the bridges to plain weights: ``export_checkpoint`` and loading
+``init_weights_from``. The Hugging Face format itself is ``dream_trainer.weights``, which
+this package builds on and which never imports it."""
 
+from dream_trainer.checkpoint.export import export_checkpoint
 from dream_trainer.checkpoint.layout import CheckpointError, CheckpointInfo
 from dream_trainer.checkpoint.trust import trust_globals
-from dream_trainer.weights.export import export_checkpoint
 
 __all__ = ["CheckpointError", "CheckpointInfo", "export_checkpoint", "trust_globals"]

@@ -28,7 +28,7 @@ from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.world.dims import MeshAxis
 
 if TYPE_CHECKING:
-    from dream_trainer.weights.pretrained import PretrainedWeights
+    from dream_trainer.checkpoint.pretrained import PretrainedWeights
 
 logger = logging.getLogger(__name__)
 

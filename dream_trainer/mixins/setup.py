@@ -30,7 +30,7 @@ from dream_trainer.weights.hf import DEFAULT_MAX_SHARD_BYTES, ExportFormat
 from dream_trainer.world.dims import MeshAxis
 
 if TYPE_CHECKING:
-    from dream_trainer.weights.pretrained import PretrainedWeights
+    from dream_trainer.checkpoint.pretrained import PretrainedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -318,7 +318,7 @@ class SetupMixin(ParallelizeModels):
         source = getattr(self.config, "init_weights_from", None)
         if source is None:
             return None
-        from dream_trainer.weights.pretrained import PretrainedWeights
+        from dream_trainer.checkpoint.pretrained import PretrainedWeights
 
         return PretrainedWeights(self.named_models(), source, self.map_pretrained_key,
                                  strict=getattr(self.config, "init_weights_strict", True))

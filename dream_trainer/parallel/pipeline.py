@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -330,6 +330,18 @@ class PipelineStages(nn.Module):
             raise RuntimeError("this PipelineStages was built without a runner: it holds "
                                "stages but cannot run a schedule")
         return self.runner.run(self.stages, inputs, target, loss_fn, loss_scale, sum_losses)
+
+    def swap_runner(self, wrap: Callable[[PipelineRunner], PipelineRunner]) -> None:
+        """Run the schedule through ``wrap(runner)`` from now on: the seam through which a
+        tool substitutes its own runner (``dream-trainer plan`` simulates the step with one).
+
+        Raises:
+            RuntimeError: if the container has no runner.
+        """
+        if self.runner is None:
+            raise RuntimeError("this PipelineStages was built without a runner: there is no "
+                               "schedule runner to swap")
+        self.runner = wrap(self.runner)
 
     def teardown(self) -> None:
         """Drop the schedules (their stages hold process groups), so none outlives ``fit()``."""

@@ -82,6 +82,7 @@ class PipelineRunner:
         self.microbatches = microbatches
         self.stage_ids = list(stage_ids)
         self.num_stages = num_stages
+        self.pp_size = pp_size
         # The last stage is on the last pipeline rank, or back on rank 0 for a V.
         self.last_stage_rank = 0 if schedule in V_SCHEDULES else pp_size - 1
         self.device = device

@@ -95,6 +95,9 @@ class PlannedPipeline(PipelineRunner):
     """Runs this pipeline rank's actions of one schedule step on fake tensors, counting the
     messages a real run would send and receive.
 
+    A runner of the same settings as the trainer's, on its process group; the plan puts it
+    in the trainer's place with ``PipelineStages.swap_runner``.
+
     Args:
         runner: The trainer's runner (schedule, microbatches, stages, group).
         reference: The unsplit model on the meta device, for ``boundary_shapes``.
@@ -107,9 +110,16 @@ class PlannedPipeline(PipelineRunner):
     def __init__(self, runner: PipelineRunner, reference: nn.Module, dtype: torch.dtype,
                  record: Record,
                  boundaries: dict[int, tuple[torch.Size, torch.dtype]] | None) -> None:
-        self.__dict__.update(runner.__dict__)
+        super().__init__(runner.schedule_name, runner.microbatches, runner.stage_ids,
+                         runner.num_stages, runner.pp_size, lambda: runner.group, runner.device)
+        self.replaced = runner
         self.reference, self.dtype, self.record = reference, dtype, record
         self.boundaries = boundaries
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        self.replaced.teardown()  # the process group this runner uses is cached there
 
     @override
     def run(self, stages: Sequence[nn.Module], inputs: tuple[Any, ...], target: Any,

@@ -4,6 +4,7 @@ torch's fake backend and fake tensors, measured."""
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import itertools
 import sys
@@ -169,9 +170,9 @@ def _measure(trainer: BaseTrainer,
             comms = AxisCommMode(group_axes(world))
             for name, model in trainer.named_models().items():
                 if isinstance(model, PipelineStages) and model.runner is not None:
-                    model.runner = PlannedPipeline(model.runner, unsplit.models[name],
-                                                   device.param_dtype, comms.record,
-                                                   boundaries)
+                    model.swap_runner(functools.partial(
+                        PlannedPipeline, reference=unsplit.models[name],
+                        dtype=device.param_dtype, record=comms.record, boundaries=boundaries))
             # Fake tensors have no router choices: mixture-of-experts layers are planned with
             # every expert receiving an equal share of the tokens (the report says so).
             with shapes.mode, comms, memory, balanced_routing(), warnings.catch_warnings():

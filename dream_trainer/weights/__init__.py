@@ -1,7 +1,4 @@
-"""Model weights in and out: Hugging Face safetensors (read into any parallel layout, written
-from a live run) and exports of training checkpoints. Training checkpoints themselves (the
-whole state, resumable) are ``dream_trainer.checkpoint``."""
-
-from dream_trainer.weights.export import export_checkpoint
-
-__all__ = ["export_checkpoint"]
+"""The Hugging Face safetensors layout: recognizing and checking it, reading a rank's slices
+of it (``hf_reader``), and writing it from a live run of any parallel layout (``hf``).
+Training checkpoints, their export and ``init_weights_from`` are ``dream_trainer.checkpoint``,
+which builds on this package."""

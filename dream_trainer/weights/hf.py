@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dream_trainer.checkpoint.layout import CheckpointError
+from dream_trainer.errors import CheckpointError
 from dream_trainer.parallel.hf_init import is_hf_model
 from dream_trainer.parallel.names import clean_name, unwrap_ddp
 from dream_trainer.parallel.pipeline import PipelineStages, unwrap_stage

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from dream_trainer.checkpoint.layout import CheckpointError
+from dream_trainer.errors import CheckpointError
 
 _BUFFER_BYTES = 16 * 2**20
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,

@@ -248,3 +248,25 @@ def test_a_custom_collate_is_left_to_the_check_of_each_batch() -> None:
     split = prepare_loader(loader, 1, 0, seed=0, validation=True)
     assert pipeline_split_problem(split, "validation", 4) is None
     assert pipeline_split_problem(validation_loader(10, 4, 1), "validation", 4) is not None
+
+
+def test_swap_runner_puts_a_runner_in_the_containers_place() -> None:
+    class Recording(PipelineRunner):
+        def __init__(self, replaced: PipelineRunner) -> None:
+            super().__init__(replaced.schedule_name, replaced.microbatches, replaced.stage_ids,
+                             replaced.num_stages, replaced.pp_size, lambda: None,
+                             replaced.device)
+            self.replaced, self.calls = replaced, 0
+
+        def run(self, *args: Any) -> torch.Tensor:
+            self.calls += 1
+            return torch.tensor(2.0)
+
+    original = PipelineRunner("1F1B", 2, [0], 2, 2, lambda: None, torch.device("cpu"))
+    container = PipelineStages([nn.Linear(2, 2)], [0], 2, original)
+    container.swap_runner(Recording)
+    assert isinstance(container.runner, Recording) and container.runner.replaced is original
+    assert container.run((torch.zeros(2, 2),), None, F.mse_loss, 1.0, False).item() == 2.0
+    assert container.runner.calls == 1
+    with pytest.raises(RuntimeError, match="built without a runner: there is no schedule"):
+        PipelineStages([nn.Linear(2, 2)], [0], 2).swap_runner(Recording)

@@ -1,6 +1,6 @@
 """Loading pretrained weights into materialized models of any parallel layout.
 
-The source is a directory in the Hugging Face layout (see ``hf.py``) or a complete
+The source is a directory in the Hugging Face layout (see ``weights/hf.py``) or a complete
 dream_trainer checkpoint. Every model's state dict comes from ``get_model_state_dict``, so
 its tensors are the live parameters, sharded as the model is (FSDP2, TP, both); torch DCP
 then reads into them only the slices each rank owns (``SliceReader`` for safetensors),
@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dream_trainer.checkpoint.export import model_tensors
 from dream_trainer.checkpoint.layout import (MODEL_PREFIX, CheckpointError, is_complete,
                                              verify_files)
 from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.parallel.dtensor import local_tensor
 from dream_trainer.parallel.materialize import any_rank_failed
-from dream_trainer.weights.export import model_tensors
 from dream_trainer.weights.hf import KeyMap, check_hf_dir, is_hf_dir, tied_groups
 
 logger = logging.getLogger(__name__)

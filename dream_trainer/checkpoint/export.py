@@ -1,5 +1,5 @@
 """Turning a (sharded) checkpoint into safetensors weights: one file per model, or the
-Hugging Face layout."""
+Hugging Face layout (written with ``dream_trainer.weights.hf``)."""
 
 from __future__ import annotations
 
