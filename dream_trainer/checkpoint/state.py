@@ -235,7 +235,8 @@ class TrainingState:
         # The loop's counters and the callbacks' states stay in DCP's own structure: a
         # callback's tensors (EMA's averages) are keyed by parameter name, so each pipeline
         # stage or shard saves its own and a run on another layout loads them by name.
-        state["trainer"] = trainer.state_dict()
+        state["trainer"] = trainer.state_dict() if self.saved is None \
+            else self._saved_entries(trainer.state_dict())
         state[TENSORS] = tensors if self.saved is None else self._load_targets(tensors)
         if self.saved is None:
             position = trainer.data_state_dict()
@@ -250,6 +251,16 @@ class TrainingState:
             state[key] = pack({"rng": rng_state(),
                                "user": call_through(trainer, "rank_state_dict")})
         return state
+
+    def _saved_entries(self, loop: dict[str, Any]) -> dict[str, Any]:
+        """The entries of the loop's state that the checkpoint has: one written before an
+        entry was added lacks it (DCP would refuse the load), and the loop's
+        ``load_state_dict`` treats it as absent."""
+        assert self.saved is not None
+        prefix = "state.trainer."
+        saved = {key.removeprefix(prefix).split(".")[0] for key in self.saved
+                 if key.startswith(prefix)}
+        return {key: value for key, value in loop.items() if key in saved}
 
     def _load_targets(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A tensor for every saved one: the live tensor at its path if it has its shape."""

@@ -65,6 +65,7 @@ class CheckpointMixin(AbstractTrainer):
     """
 
     config_mixin = CheckpointConfigMixin
+    _epoch_ends_after_step: bool  # the loop's (BaseTrainer)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -72,6 +73,7 @@ class CheckpointMixin(AbstractTrainer):
         self._checkpoint_group: dist.ProcessGroup | None = None
         self._pending_save: tuple[Future[Any], CheckpointInfo] | None = None
         self._last_saved_step: int | None = None
+        self._save_at_epoch_end = False
         self._latest_results: dict[str, float] = {}
         # The result keys of the first training step and the first validation, until the
         # monitor is found among them (see _check_monitor).
@@ -148,7 +150,14 @@ class CheckpointMixin(AbstractTrainer):
             by = self._preemption.signal.name if self._preemption.signal else "a signal on another rank"
             raise StopTraining(f"preempted by {by}; {saved}")
         every = self.checkpoint_parameters.every_n_steps
-        if enabled and every is not None and self.global_step % every == 0:
+        if not (enabled and every is not None and self.global_step % every == 0):
+            return
+        if self._epoch_ends_after_step:
+            # Saved after the epoch's end, at this same step: saved now, it would hold the
+            # state before that end, and the epoch-end and final saves at this step would
+            # keep it, so a run resumed from the newest checkpoint would end the epoch again.
+            self._save_at_epoch_end = True
+        else:
             self.save_checkpoint()
 
     @runs_on("post_train_epoch")
@@ -165,9 +174,10 @@ class CheckpointMixin(AbstractTrainer):
     @runs_on("post_epoch", after_bases=True)
     def _checkpoint_post_epoch(self) -> None:
         every = self.checkpoint_parameters.every_n_epochs
-        if self.checkpoint_parameters.enabled and every is not None \
-                and (self.current_epoch + 1) % every == 0:
+        due = every is not None and (self.current_epoch + 1) % every == 0
+        if self.checkpoint_parameters.enabled and (due or self._save_at_epoch_end):
             self.save_checkpoint()
+        self._save_at_epoch_end = False
 
     @runs_on("post_fit", after_bases=True)
     def _checkpoint_post_fit(self) -> None:
@@ -290,8 +300,15 @@ class CheckpointMixin(AbstractTrainer):
                    self._pending_save[1].path if self._pending_save else None)
 
     def _monitor_value(self) -> float | None:
+        """The score of a checkpoint saved now: ``monitor``'s latest epoch or validation
+        value; before any has one, the current optimizer step's value of a training key
+        (a collective, as the save is)."""
         monitor = self.checkpoint_parameters.monitor
-        value = self._latest_results.get(monitor) if monitor else None
+        if monitor is None:
+            return None
+        value = self._latest_results.get(monitor)
+        if value is None and monitor in self._result_keys.get("training", ()):
+            value = self.reduce_step_result().get(monitor)
         return None if value is None else float(value)
 
     def _monitor_unchecked(self, source: str) -> bool:

@@ -95,6 +95,10 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
         self._epoch_done = False
         self._start_batch = 0
         self._resharded = False
+        self._window_open = False  # micro-batches of a window ran since the last step
+        # What a checkpoint at a step leaves to the resumed run (see LoopState.state_dict).
+        self._validation_due = False
+        self._epoch_result: dict[str, float] | None = None
         self._train_batches: TrainBatches | None = None
         self._configured = False
         self._step_results = ResultAverager(self.world.device)
@@ -243,6 +247,7 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
             self.current_epoch += 1
             self._epoch_done = False
             self._batches_done = 0
+            self._epoch_result = None
 
     # -- training ------------------------------------------------------------------------------
     @property
@@ -270,6 +275,8 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
         start, self._start_batch = self._start_batch, 0
         self._batches_done = start
         n_batches = self._train_steps_per_epoch * self.training_parameters.gradient_accumulation_steps
+        if start < n_batches:  # results carried over are only those of a finished epoch
+            self._epoch_result = None
         if start and self._resharded and not (has_resumable_sampler(self.train_dataloader)
                                               or self._train_batches.stateful):
             raise RuntimeError(
@@ -281,21 +288,40 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
         # and a resumed run restores the RNG after that draw.
         batches = self._train_batches.epoch(self.current_epoch, start, n_batches)
         self._fire("pre_train_epoch")
+        if self._validation_due:  # the checkpoint's step validates after it was taken
+            self._validate_after_step()
         averager = ResultAverager(self.world.device)
         for batch_idx, batch in numbered_batches(batches, start, "train"):
             self._train_batch(batch, batch_idx, averager)
-            if not self.is_accumulating_gradients and self._after_optimizer_step():
+            if self.is_accumulating_gradients:
+                continue
+            if self._batches_done == n_batches:
+                # Before the step's checkpoint, which keeps it for a run resumed from there.
+                self._epoch_result = averager.compute()
+            if self._after_optimizer_step():
                 break
         if self._batches_done == 0:
             raise RuntimeError(
                 f"the train dataloader yielded no batches in epoch {self.current_epoch}: "
                 "check that the dataset is not empty and that an iterable dataset restarts"
             )
-        if self.is_accumulating_gradients:
+        if self._window_open:
             self._drop_partial_window()
         self._set_train_mode(False)
-        self._fire("post_train_epoch", averager.compute())
+        # Resumed at the epoch's end, the run trained none of its batches: it reports the
+        # interrupted run's results, as the checkpoint kept them ({} from an older one);
+        # resumed mid-epoch, the means over the batches it trained itself.
+        result = self._epoch_result
+        self._fire("post_train_epoch", averager.compute() if result is None else result)
         return self._batches_done >= n_batches or not self._max_steps_reached()
+
+    @property
+    def _epoch_ends_after_step(self) -> bool:
+        """Whether the epoch ends after the optimizer step just taken, at the same global step
+        (its batches are done, or ``max_steps`` is reached)."""
+        accumulation = self.training_parameters.gradient_accumulation_steps
+        return self._batches_done >= self._train_steps_per_epoch * accumulation \
+            or self._max_steps_reached()
 
     @property
     def _samples_per_batch(self) -> int:
@@ -344,6 +370,7 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
             result = check_result(self.training_step(batch, batch_idx), "training_step")
         self.local_batches += 1
         self._batches_done = batch_idx + 1
+        self._window_open = self.is_accumulating_gradients
         if not self.is_accumulating_gradients:
             self.precision.update()
             self.global_step += 1
@@ -400,14 +427,22 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
 
     def _after_optimizer_step(self) -> bool:
         """Run what follows an optimizer step; return True to end the epoch early."""
+        every = self.training_parameters.val_every_n_steps
+        self._validation_due = every is not None and self.global_step % every == 0 \
+            and self.val_dataloader is not None
         self._fire_phase("end_of_step")
         if self.global_step == 1:
             self.world.set_timeout(self.config.device_parameters.train_timeout)
-        every = self.training_parameters.val_every_n_steps
-        if every is not None and self.global_step % every == 0 and self.val_dataloader is not None:
-            self._validation_epoch(self.training_parameters.val_steps_per_epoch)
-            self._set_train_mode(True)
+        if self._validation_due:
+            self._validate_after_step()
         return self._max_steps_reached()
+
+    def _validate_after_step(self) -> None:
+        """The validation of ``val_every_n_steps``; a checkpoint taken during it counts it
+        as done (a run resumed from there does not repeat it)."""
+        self._validation_due = False
+        self._validation_epoch(self.training_parameters.val_steps_per_epoch)
+        self._set_train_mode(True)
 
     def _max_steps_reached(self) -> bool:
         max_steps = self.training_parameters.max_steps
@@ -420,6 +455,7 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
             "epoch %d ended inside an accumulation window (batch %d); its gradients are "
             "discarded", self.current_epoch, self._batch_idx,
         )
+        self._window_open = False
         for optimizer in self.named_optimizers().values():
             optimizer.zero_grad(set_to_none=True)
 

@@ -3,6 +3,7 @@ run's topology (``BaseTrainer`` takes them from here)."""
 
 from __future__ import annotations
 
+import logging
 from abc import abstractmethod
 from collections.abc import Mapping
 from typing import Any
@@ -11,11 +12,14 @@ from dream_trainer.data.stream import TrainBatches
 from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainer
 
+logger = logging.getLogger(__name__)
+
 
 class LoopState(AbstractTrainer):
     """``state_dict``/``load_state_dict`` of the loop: the epoch, the micro-batches done in it
-    (in samples, so another data-parallel degree resumes at the same place), the gradient
-    scaler and the callbacks' states; and the stateful train loader's position per rank."""
+    (in samples, so another data-parallel degree resumes at the same place), the global batch
+    it was read with, what is still owed at the checkpoint's step, the gradient scaler and the
+    callbacks' states; and the stateful train loader's position per rank."""
 
     precision: Precision
     _train_batches: TrainBatches | None
@@ -23,6 +27,8 @@ class LoopState(AbstractTrainer):
     _batches_done: int
     _start_batch: int
     _resharded: bool
+    _validation_due: bool
+    _epoch_result: dict[str, float] | None
 
     @property
     @abstractmethod
@@ -33,16 +39,29 @@ class LoopState(AbstractTrainer):
         """The loop's position, the gradient scaler and every callback's state.
 
         The position says where a resumed run continues: the epoch, and how many of its
-        micro-batches are done (0 once the epoch, validation included, has finished).
+        micro-batches are done (0 once the epoch, validation included, has finished). A
+        checkpoint taken at an optimizer step also says whether that step's validation is
+        still to run (``validation_due``), and, at the last step of an epoch, the epoch's
+        training results (``epoch_result``, as ``[key, value]`` pairs): the run resumed from it
+        ends the epoch as the interrupted run would have.
         """
-        epoch, batch = ((self.current_epoch + 1, 0) if self._epoch_done
-                        else (self.current_epoch, self._batches_done))
+        done = self._epoch_done
+        epoch, batch = (self.current_epoch + 1, 0) if done \
+            else (self.current_epoch, self._batches_done)
+        params = self.training_parameters
+        pending = None if done else self._epoch_result
         return {
             "global_step": self.global_step,
             "current_epoch": epoch,
             "batch_in_epoch": batch,
             "samples_per_batch": self._samples_per_batch,
             "dp_size": self.world.dp_size,
+            "train_batch_size": params.train_batch_size,
+            "gradient_accumulation_steps": params.gradient_accumulation_steps,
+            "validation_due": self._validation_due and not done,
+            # Pairs, not a dict: DCP loads only the keys the loading run's own state has.
+            "epoch_result": [] if pending is None else [[key, value]
+                                                        for key, value in pending.items()],
             "precision": self.precision.state_dict(),
             "callbacks": self.callbacks.state_dict(),
         }
@@ -67,9 +86,11 @@ class LoopState(AbstractTrainer):
         """Restore what ``state_dict`` returned, converting the position to this topology.
 
         Raises:
-            ValueError: if the samples done in the epoch do not fill whole accumulation
+            ValueError: if the global batch (samples per optimizer step) differs from the
+                saved run's, or the samples done in the epoch do not fill whole accumulation
                 windows of this run's batch size and data-parallel degree.
         """
+        self._check_global_batch(state_dict)
         self.global_step = int(state_dict["global_step"])
         self.current_epoch = int(state_dict["current_epoch"])
         samples = int(state_dict.get("batch_in_epoch", 0)) * int(
@@ -85,5 +106,54 @@ class LoopState(AbstractTrainer):
             )
         self._start_batch = samples // self._samples_per_batch
         self._resharded = int(state_dict.get("dp_size", self.world.dp_size)) != self.world.dp_size
+        self._validation_due = bool(state_dict.get("validation_due", False))
+        pairs = state_dict.get("epoch_result") or []
+        self._epoch_result = {str(key): float(value) for key, value in pairs} if pairs else None
         self.precision.load_state_dict(state_dict.get("precision", {}))
         self.callbacks.load_state_dict(state_dict.get("callbacks", {}))
+
+    def _check_global_batch(self, state_dict: dict[str, Any]) -> None:
+        """Refuse a resume that changes the samples per optimizer step: the epoch would have
+        another number of steps, so the step count carried over and the schedule planned from
+        it would no longer end together.
+
+        Compared per replica group (``train_batch_size x dp_size x accumulation``): under
+        fault tolerance the number of live groups changes the global batch by design.
+        """
+        if "gradient_accumulation_steps" not in state_dict:
+            if "samples_per_batch" in state_dict and self.world.is_rank_zero:
+                logger.warning(
+                    "the checkpoint does not record its gradient accumulation (an older "
+                    "dream_trainer wrote it): it cannot be checked that this run keeps its "
+                    "global batch; if it does not, the epochs have another number of steps "
+                    "than the step count and the schedule carried over assume")
+            return
+        params = self.training_parameters
+        saved = (int(state_dict["train_batch_size"]), int(state_dict["dp_size"]),
+                 int(state_dict["gradient_accumulation_steps"]))
+        mine = (params.train_batch_size, self.world.dp_size, params.gradient_accumulation_steps)
+        saved_batch, batch = saved[0] * saved[1] * saved[2], mine[0] * mine[1] * mine[2]
+        if saved_batch == batch:
+            return
+        raise ValueError(
+            f"cannot resume with another global batch: the checkpoint's run took "
+            f"{saved_batch} samples per optimizer step (train_batch_size {saved[0]} x "
+            f"{saved[1]} data-parallel ranks x gradient_accumulation_steps {saved[2]}) and "
+            f"this run takes {batch} ({mine[0]} x {mine[1]} x {mine[2]}), so its epochs would "
+            "have another number of steps than the step count and the schedule carried over "
+            f"assume. Keep the global batch at {saved_batch}{_ways_to_keep(saved_batch, mine)}"
+            ", or start a new run from the checkpoint's weights "
+            "(SetupConfigMixin.init_weights_from=<the checkpoint's step directory>)"
+        )
+
+
+def _ways_to_keep(global_batch: int, factors: tuple[int, int, int]) -> str:
+    """``" (for example ...)"``: the accumulation or batch size that restores ``global_batch``
+    with this run's other factors, those that are whole numbers."""
+    batch_size, ranks, accumulation = factors
+    ways = []
+    if global_batch % (batch_size * ranks) == 0:
+        ways.append(f"gradient_accumulation_steps={global_batch // (batch_size * ranks)}")
+    if global_batch % (ranks * accumulation) == 0:
+        ways.append(f"train_batch_size={global_batch // (ranks * accumulation)}")
+    return f" (for example {' or '.join(ways)})" if ways else ""

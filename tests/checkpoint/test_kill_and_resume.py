@@ -103,6 +103,8 @@ def test_resharded_resume_reads_exactly_the_unseen_samples(
     first_log, second_log = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     common = [tmp_path / "run", tmp_path / "final.pt", "--markers", tmp_path / "markers"]
     assert run(first, *common, "--kill", kill, "--samples", first_log).returncode != 0
+    # The second run keeps the global batch: micro-batch 4 x ranks x accumulation.
+    common += ["--accumulation", 2 * first // second]
     # The trainer keeps per-rank state: it cannot be handed to another number of processes.
     refused = run(second, *common)
     assert refused.returncode != 0

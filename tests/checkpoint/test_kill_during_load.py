@@ -3,6 +3,7 @@ as if never interrupted, and the checkpoint is untouched (issue 26)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -41,14 +42,17 @@ def test_sigkill_while_loading_on_another_layout_then_rerun_continues_exactly(
     assert [info.step for info in complete_checkpoints(checkpoints)] == SAVED
     before = files_of_checkpoints(checkpoints)
 
-    # The reference: the same resume, on one process, from a copy, never interrupted.
+    # The reference: the same resume, on one process, from a copy, never interrupted. One
+    # process keeps the global batch of 2 ranks with twice the accumulation.
     shutil.copytree(root, reference_root)
-    reference = check(run_script(CHECKPOINT_RUN, 1, reference_root, tmp_path / "reference.pt",
-                                 "--no-rank-state"))
-    assert "step=30" not in reference.stdout  # it resumed (a fresh run makes 30 steps)
+    samples = tmp_path / "reference.jsonl"
+    check(run_script(CHECKPOINT_RUN, 1, reference_root, tmp_path / "reference.pt",
+                     "--no-rank-state", "--accumulation", "4", "--samples", samples))
+    first = json.loads(samples.read_text().splitlines()[0])
+    assert first["epoch"] == 1  # it resumed at step 8, in epoch 1 (a fresh run starts in 0)
 
     marker = tmp_path / "loading"
-    command = [marker, root, tmp_path / "final.pt", "--no-rank-state"]
+    command = [marker, root, tmp_path / "final.pt", "--no-rank-state", "--accumulation", "4"]
     killed = run_script(KILL_DURING_LOAD, 1, *command)
     assert killed.returncode == -9, killed.stderr[-3000:]
     read, _, total = marker.read_text().partition(" of ")
