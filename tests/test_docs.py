@@ -56,3 +56,15 @@ def test_readme_and_api_pages_have_python_blocks() -> None:
     pages = {path.relative_to(REPO).as_posix() for path in markdown_files()}
     assert "README.md" in pages
     assert any(page.startswith("docs/api/") for page in pages)
+
+
+def test_every_row_of_the_data_guides_exactness_table_names_a_test_that_exists() -> None:
+    guide = (REPO / "docs/data.md").read_text()
+    table = guide[guide.index("## What is exact when"):]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    cited = [ref for row in rows[1:] for ref in re.findall(r"`(tests/[^`]+)`", row)]
+    assert len(rows) > 10 and len(cited) >= len(rows) - 2  # one row states a limit
+    for ref in cited:
+        path, _, test = ref.partition("::")
+        source = (REPO / path).read_text()
+        assert not test or f"def {test}(" in source, ref

@@ -36,8 +36,9 @@ def test_sigkill_then_resume_reads_nothing_already_trained_on_and_is_bit_exact(
     killed = run(nproc, *common, "--kill", "step:7", "--read-log", tmp_path / "killed.jsonl")
     assert killed.returncode != 0
     if nproc == 2:
-        # The stream's position belongs to each rank: one process cannot take two ranks'.
-        refused = run(1, *common)
+        # The stream's position belongs to each rank: one process cannot take two ranks',
+        # even with the same global batch (twice the accumulation).
+        refused = run(1, *common, "--accumulation", "2")
         assert refused.returncode != 0
         assert ("holds the train loader's position for 2 data-parallel ranks, and this run "
                 "has 1") in refused.stderr

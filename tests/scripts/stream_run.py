@@ -3,6 +3,7 @@ latest checkpoint, optionally SIGKILLing itself after a step; rank 0 saves the f
 optimizer state, and every rank's trained-on sample ids.
 
 Usage: stream_run.py ROOT OUT [--kill step:N --markers DIR] [--read-log FILE]
+       [--accumulation N]
 """
 
 from __future__ import annotations
@@ -29,8 +30,13 @@ def main() -> None:
     parser.add_argument("--kill", nargs="*", default=[])
     parser.add_argument("--markers", type=Path)
     parser.add_argument("--read-log")
+    parser.add_argument("--accumulation", type=int, default=1)
     args = parser.parse_args()
-    config = stream_config(args.root).model_copy(update={"read_log": args.read_log})
+    config = stream_config(args.root)
+    training = config.training_parameters.model_copy(
+        update={"gradient_accumulation_steps": args.accumulation})
+    config = config.model_copy(update={"read_log": args.read_log,
+                                       "training_parameters": training})
     trainer = Recording(config)
     if args.kill:
         trainer.callbacks.append(Killer(args.kill, args.markers))
