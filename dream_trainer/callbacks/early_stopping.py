@@ -9,8 +9,8 @@ from typing import Any, Literal
 from typing_extensions import override
 
 from dream_trainer.errors import StopTraining
-from dream_trainer.parallel.materialize import any_rank_failed
 from dream_trainer.trainer.callback import Callback
+from dream_trainer.world.agree import agree_any
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class EarlyStopping(Callback):
         reason = self._update(value)
         # The results are identical on every rank, so the ranks agree already; one all-reduce
         # makes sure, because a single rank raising StopTraining would leave its peers hanging.
-        if any_rank_failed(reason is not None, self.trainer.world.device):
+        if agree_any(reason is not None, self.trainer.world.device):
             raise StopTraining(reason or "EarlyStopping: another rank decided to stop")
 
     def _update(self, value: float) -> str | None:

@@ -32,6 +32,7 @@ from pydantic import Field, FiniteFloat, TypeAdapter, ValidationError
 from typing_extensions import TypedDict
 
 from dream_trainer.callbacks.hang_files import write_file
+from dream_trainer.world.agree import is_launched
 
 RECORD = "hang_rank{rank}.json"
 EMITTED = "hang_verdict.json"
@@ -119,7 +120,7 @@ def write_record(directory: Path, run: str, rank: int, world_size: int, step: in
 
 def _groups(mesh: Any | None) -> dict[str, dict[str, Any]]:
     """Process-group name -> the mesh axis it serves and its ranks (no collective needed)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_launched():
         return {}
     groups: dict[str, dict[str, Any]] = {}
     for axis in (mesh.mesh_dim_names or ()) if mesh is not None else ():
@@ -134,7 +135,7 @@ def _groups(mesh: Any | None) -> dict[str, dict[str, Any]]:
 
 def _collectives() -> dict[str, Any]:
     """The flight recorder's entries and per-group status, as plain values."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_launched():
         return {"recorder": None, "status": {}, "entries": []}
     import torch._C._distributed_c10d as c10d
 

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch.distributed as dist
 from typing_extensions import override
 
 from dream_trainer.callbacks.hang_files import private_trace_dir, write_file
@@ -173,7 +172,7 @@ class HangWatchdog(Callback):
 
     def _dump_flight_recorder(self, rank: int, directory: Path) -> None:
         """Write the flight recorder's pickled entries, if a process group records them."""
-        if not (dist.is_available() and dist.is_initialized()):
+        if not self.trainer.world.is_launched:
             return
         import torch._C._distributed_c10d as c10d
 

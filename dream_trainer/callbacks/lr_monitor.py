@@ -32,6 +32,11 @@ class LRMonitor(RankZeroCallback):
         self.every_n_steps = every_n_steps
         self.latest: dict[str, float] = {}
         self.history: list[tuple[int, dict[str, float]]] = []
+        self._logger: LoggerMixin | None = None
+
+    @override
+    def attached(self) -> None:
+        self._logger = self.trainer if isinstance(self.trainer, LoggerMixin) else None
 
     @override
     def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
@@ -42,8 +47,8 @@ class LRMonitor(RankZeroCallback):
             return
         self.latest = self.learning_rates()
         self.history.append((trainer.global_step, self.latest))
-        if isinstance(trainer, LoggerMixin):
-            trainer.log_dict(dict(self.latest), step=trainer.global_step)
+        if self._logger is not None:
+            self._logger.log_dict(dict(self.latest), step=trainer.global_step)
 
     def learning_rates(self) -> dict[str, float]:
         """The current learning rate of every parameter group of every optimizer.

@@ -7,17 +7,18 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, get_args
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
 
 from dream_trainer.callbacks.nan_provenance import (MicroBatch, NanFinding, NanReport,
                                                     diagnose_window)
 from dream_trainer.parallel.dtensor import local_tensor
-from dream_trainer.parallel.materialize import any_rank_failed
 from dream_trainer.trainer.callback import Callback
+from dream_trainer.world.agree import agree_any, agree_max, gather_objects
 
 logger = logging.getLogger(__name__)
+# The cause a skipped update is counted under in the trainer's update vote.
+VOTE_CAUSE = "nan_guard"
 
 NanGuardMode = Literal["raise", "skip"]
 GRAD_NORM = "grad_norm"
@@ -66,7 +67,8 @@ class NanGuard(Callback):
             ``<project>/<group>/<experiment>``.
 
     Attributes:
-        skipped_steps: In skip mode, optimizer steps skipped so far (kept in checkpoints).
+        skipped_steps: In skip mode, optimizer steps skipped so far (the trainer's
+            ``update_vote`` count under ``"nan_guard"``, kept in checkpoints).
         report: The latest diagnosis (``NanReport``), None before the first.
 
     Raises:
@@ -97,7 +99,6 @@ class NanGuard(Callback):
         self.keys = keys
         self.diagnose = diagnose
         self.output_dir = Path(output_dir)
-        self.skipped_steps = 0
         self.report: NanReport | None = None
         self._pending: list[_Value] = []
         self._step = 0
@@ -165,16 +166,16 @@ class NanGuard(Callback):
             return
         # Every rank must skip or step together: FSDP2 and tensor-parallel ranks each hold
         # only part of the gradients.
-        if not any_rank_failed(not bool(self._grads_finite(model)), self.trainer.world.device):
+        if not agree_any(not bool(self._grads_finite(model)), self.trainer.world.device):
             return
         if self._diagnosing:
             self.report = self._diagnose()
-        optimizer.zero_grad(set_to_none=True)
-        self.skipped_steps += 1
+        # The trainer's one vote skips the update and counts it under "nan_guard".
+        self.trainer.update_vote.veto(VOTE_CAUSE)
         if self.trainer.world.is_rank_zero:
             logger.warning("NanGuard: non-finite gradients at global step %d (batch %d of epoch "
                            "%d): skipped this optimizer step (%d skipped so far)%s", self._step,
-                           self._batch_idx, self.trainer.current_epoch, self.skipped_steps,
+                           self._batch_idx, self.trainer.current_epoch, self.skipped_steps + 1,
                            f"\n{self.report}" if self._diagnosing else "")
 
     @override
@@ -188,15 +189,12 @@ class NanGuard(Callback):
         self._window.clear()
 
     # -- state -----------------------------------------------------------------------------
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        """``{"skipped_steps": n}``."""
-        return {"skipped_steps": self.skipped_steps}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the skipped-step count."""
-        self.skipped_steps = int(state_dict["skipped_steps"])
+    @property
+    def skipped_steps(self) -> int:
+        """In skip mode, optimizer steps skipped so far: the trainer's ``update_vote`` count
+        under ``"nan_guard"``, which checkpoints keep with the loop's state."""
+        trainer = getattr(self, "trainer", None)
+        return 0 if trainer is None else trainer.update_vote.skipped.get(VOTE_CAUSE, 0)
 
     # -- diagnosis -------------------------------------------------------------------------
     def _why_not_diagnosed(self) -> str | None:
@@ -232,8 +230,9 @@ class NanGuard(Callback):
             bad_in_window = bad_in_window | ~torch.isfinite(torch.stack(in_window)).all()
         bad_earlier = ~torch.isfinite(torch.stack(earlier)).all() if earlier \
             else torch.zeros_like(bad_in_window)
-        verdict = self._agree(torch.where(bad_earlier, _EARLIER,
-                                          torch.where(bad_in_window, _IN_WINDOW, _FINITE)))
+        verdict = agree_max(torch.where(bad_earlier, _EARLIER,
+                                        torch.where(bad_in_window, _IN_WINDOW, _FINITE)),
+                            self.trainer.world.device)
         if verdict == _FINITE:
             return
         if verdict == _EARLIER:
@@ -271,19 +270,8 @@ class NanGuard(Callback):
 
     def _gathered(self, finding: NanFinding) -> NanReport:
         """Every rank's finding, in rank order (a collective: every rank calls it)."""
-        findings = [finding]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list[NanFinding | None] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, finding)
-            findings = [f for f in gathered if f is not None]
-        return NanReport(self._step, self.trainer.current_epoch, tuple(findings))
-
-    def _agree(self, verdict: torch.Tensor) -> int:
-        """The largest ``verdict`` over every rank: one all-reduce and one host sync."""
-        verdict = verdict.to(torch.int32).reshape(1)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-        return int(verdict.item())
+        findings = tuple(f for f in gather_objects(finding) if f is not None)
+        return NanReport(self._step, self.trainer.current_epoch, findings)
 
     # -- helpers ---------------------------------------------------------------------------
     def _grads_finite(self, model: nn.Module) -> torch.Tensor:

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.profiler import ProfilerActivity, profile, schedule
 from typing_extensions import override
 
+from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.trainer.callback import Callback
 
-if TYPE_CHECKING:
-    from dream_trainer.trainer.abstract import AbstractTrainer
 
-
-class Profiler(Callback):
+class Profiler(Callback[AbstractTrainer]):
     """Profile ``num_steps`` optimizer steps after the first ``start_step`` on every rank.
 
     Optimizer step ``start_step`` warms the profiler up and is discarded; steps
@@ -34,8 +32,6 @@ class Profiler(Callback):
     Raises:
         ValueError: if ``start_step < 1`` or ``num_steps < 1``.
     """
-
-    trainer: AbstractTrainer
 
     def __init__(self, start_step: int = 2, num_steps: int = 3,
                  output_dir: str | Path = "profile") -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import torch
 from typing_extensions import override
 
+from dream_trainer.trainer.base import BaseTrainer
 from dream_trainer.trainer.callback import RankZeroCallback
 from dream_trainer.trainer.schedulers import planned_optimizer_steps
 from dream_trainer.utils.memory import GIB, CudaPeakWindow, process_rss_bytes
@@ -18,10 +19,8 @@ from dream_trainer.utils.memory import GIB, CudaPeakWindow, process_rss_bytes
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
-    from dream_trainer.trainer.base import BaseTrainer
 
-
-class ProgressBar(RankZeroCallback):
+class ProgressBar(RankZeroCallback[BaseTrainer]):
     """Show epoch, step, smoothed loss, throughput, ETA and memory, in optimizer steps.
 
     On a terminal (``stream.isatty()``) a rich display holds a bar for the current epoch and
@@ -49,8 +48,6 @@ class ProgressBar(RankZeroCallback):
         ValueError: if ``refresh_every_n_steps < 1``, ``refresh_seconds < 0`` or ``smoothing``
             is not in (0, 1].
     """
-
-    trainer: BaseTrainer
 
     def __init__(self, refresh_every_n_steps: int | None = None, smoothing: float = 0.1,
                  stream: TextIO | None = None, refresh_seconds: float = 1.0) -> None:

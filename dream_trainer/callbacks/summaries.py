@@ -10,13 +10,13 @@ from typing_extensions import override
 
 from dream_trainer.nn.moe import active_parameters, moe_layers
 from dream_trainer.parallel.dtensor import local_tensor
+from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.trainer.base import BaseTrainer
 from dream_trainer.trainer.callback import RankZeroCallback
 from dream_trainer.trainer.schedulers import planned_optimizer_steps
 
 if TYPE_CHECKING:
     from rich.console import Console
-
-    from dream_trainer.trainer.base import BaseTrainer
 
 
 def _console(stream: TextIO | None) -> Console:
@@ -46,7 +46,7 @@ class ModuleRow:
     frozen: int
 
 
-class ModelSummary(RankZeroCallback):
+class ModelSummary(RankZeroCallback[AbstractTrainer]):
     """Print each model's modules and parameter counts, then its per-rank size once sharded.
 
     The counts are taken after ``configure_models`` (``post_configure``), while the models are
@@ -67,8 +67,6 @@ class ModelSummary(RankZeroCallback):
     Raises:
         ValueError: if ``max_depth < 0``.
     """
-
-    trainer: BaseTrainer
 
     def __init__(self, max_depth: int = 2, stream: TextIO | None = None) -> None:
         if max_depth < 0:
@@ -143,7 +141,7 @@ def _row(name: str, module: nn.Module, depth: int) -> ModuleRow:
     return ModuleRow(name, type(module).__name__, depth, trainable + frozen, trainable, frozen)
 
 
-class TrainerSummary(RankZeroCallback):
+class TrainerSummary(RankZeroCallback[BaseTrainer]):
     """Print the world, batch sizes, schedule and precision once setup is done.
 
     The values are also kept in ``summary``. The global batch is the samples that make one
@@ -152,8 +150,6 @@ class TrainerSummary(RankZeroCallback):
     Args:
         stream: Where to print; ``sys.stdout`` by default.
     """
-
-    trainer: BaseTrainer
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream

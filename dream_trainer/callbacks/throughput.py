@@ -8,19 +8,17 @@ import math
 import time
 from collections import deque
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from typing_extensions import override
 
 from dream_trainer.mixins.logging import LoggerMixin
+from dream_trainer.trainer.base import BaseTrainer
 from dream_trainer.trainer.callback import Callback
 from dream_trainer.utils.memory import GIB, CudaPeakWindow, process_rss_bytes
 from dream_trainer.utils.stragglers import BackwardWaits, RankSpread, StragglerStreak
-
-if TYPE_CHECKING:
-    from dream_trainer.trainer.base import BaseTrainer
 
 TOKEN_KEYS = ("tokens", "input_ids")
 """Batch keys whose tensor ``numel()`` counts as tokens when ``tokens_per_sample`` is None."""
@@ -28,7 +26,7 @@ TOKEN_KEYS = ("tokens", "input_ids")
 logger = logging.getLogger(__name__)
 
 
-class Throughput(Callback):
+class Throughput(Callback[BaseTrainer]):
     """Time each optimizer step; keep step time, samples/s, tokens/s, MFU, memory, and find
     a rank slower than the others (a straggler).
 
@@ -70,8 +68,6 @@ class Throughput(Callback):
             positive.
     """
 
-    trainer: BaseTrainer
-
     def __init__(self, flops_per_sample: float | None = None, peak_flops: float | None = None,
                  window: int = 20, tokens_per_sample: int | None = None,
                  straggler_threshold: float = 0.2, straggler_windows: int = 3) -> None:
@@ -106,6 +102,7 @@ class Throughput(Callback):
         self._cuda_peaks: CudaPeakWindow | None = None
         self._waits = BackwardWaits()
         self._streak = StragglerStreak(straggler_threshold, straggler_windows)
+        self._logger: LoggerMixin | None = None
 
     @property
     def step_times(self) -> list[float]:
@@ -113,6 +110,13 @@ class Throughput(Callback):
         return list(self._step_times)
 
     # -- hooks ---------------------------------------------------------------------------------
+    @override
+    def attached(self) -> None:
+        trainer = self.trainer
+        # Rank 0's figures are the ones logged; every rank measures.
+        logs = isinstance(trainer, LoggerMixin) and trainer.world.is_rank_zero
+        self._logger = trainer if logs else None
+
     @override
     def pre_fit(self) -> None:
         device = self.trainer.world.device
@@ -146,9 +150,8 @@ class Throughput(Callback):
         if window_ends:
             self.spread = self._compare_ranks()
         self.memory = self._memory(window_ends)
-        if window_ends and self.trainer.world.is_rank_zero \
-                and isinstance(self.trainer, LoggerMixin):
-            self.trainer.log_dict({**self.latest, **self.memory, **self.spread},
+        if window_ends and self._logger is not None:
+            self._logger.log_dict({**self.latest, **self.memory, **self.spread},
                                   self.trainer.global_step)
 
     @override

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dream_trainer.checkpoint.export import model_tensors
@@ -25,8 +24,8 @@ from dream_trainer.checkpoint.layout import (MODEL_PREFIX, CheckpointError, is_c
                                              verify_files)
 from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.parallel.dtensor import local_tensor
-from dream_trainer.parallel.materialize import any_rank_failed
 from dream_trainer.weights.hf import KeyMap, check_hf_dir, is_hf_dir, tied_groups
+from dream_trainer.world.agree import agree_any, gather_objects, is_rank_zero
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +151,7 @@ class PretrainedWeights:
                         f"{report}. Rename keys in map_pretrained_key (return None to skip "
                         "one), or set init_weights_strict=False to load the rest and keep "
                         "init_weights() values for the missing keys")
-                if _is_rank_zero():
+                if is_rank_zero():
                     logger.warning("%s; init_weights_strict=False: the missing keys keep "
                                    "their init_weights() values", report)
             try:
@@ -170,7 +169,7 @@ class PretrainedWeights:
             filled |= {local_tensor(tensor).data_ptr() for tensor in fit.targets.values()}
         unfilled = [tuple(tensor.shape) for tensor in map(local_tensor, expected)
                     if tensor.numel() and tensor.data_ptr() not in filled]
-        if any_rank_failed(bool(unfilled), device):
+        if agree_any(bool(unfilled), device):
             raise CheckpointError(
                 "init_weights_from did not set parameters that were left for it (shapes "
                 f"{unfilled[:5] or 'on another rank'}): their state-dict names differ from "
@@ -261,10 +260,7 @@ def _agree(fit: _Fit) -> _Fit:
     """Combine every rank's view, so that all ranks raise or load together: a key is missing
     or mismatched if it is on any rank, unexpected only if no rank has it (a pipeline stage
     holds only its own blocks)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return fit
-    views: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (fit.missing, fit.unexpected, fit.mismatched))
+    views = gather_objects((fit.missing, fit.unexpected, fit.mismatched))
     everywhere = set.intersection(*(set(unexpected) for _, unexpected, _ in views))
     fit.missing = list(dict.fromkeys(key for missing, _, _ in views for key in missing))
     fit.unexpected = [key for key in views[0][1] if key in everywhere]
@@ -286,7 +282,3 @@ def _report(name: str, path: Path, fit: _Fit) -> str:
 def _listing(keys: list[str]) -> str:
     shown = ", ".join(keys[:_SHOWN])
     return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
-
-
-def _is_rank_zero() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0

@@ -82,6 +82,16 @@ def pipeline_layout(params: DeviceParameters, degree: int) -> tuple[int, int]:
     return stages_per_rank, degree * stages_per_rank if microbatches is None else microbatches
 
 
+def fixed_pipeline_microbatches(params: DeviceParameters) -> int:
+    """The microbatches a pipeline of a fixed degree cuts each batch into, for the config to
+    check its batch sizes by; 1 without a pipeline, and for ``pipeline_parallel="auto"``, whose
+    batches setup checks by the same rule once the degree is resolved (``ParallelDims``)."""
+    degree = params.pipeline_parallel
+    if degree == "auto" or degree == 1:
+        return 1
+    return pipeline_layout(params, degree)[1]
+
+
 def ddp_pipeline_problem(pipeline_parallel: Any, dp_replicate: Any) -> str:
     """Why DDP replicas of pipeline stages are refused, and what to set instead."""
     # torch 2.13's pipeline stages fail inside DDP's reducer from the second micro-batch on;

@@ -30,10 +30,10 @@ from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.checkpoint import CheckpointParameters
 from dream_trainer.parallel.dtensor import local_tensor
-from dream_trainer.parallel.materialize import any_rank_failed
 from dream_trainer.trainer.abstract import AbstractTrainer, StopTraining
 from dream_trainer.trainer.phases import call_through, runs_on
 from dream_trainer.utils.preemption import PreemptionAgreement, PreemptionFlag
+from dream_trainer.world.agree import agree_any
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class CheckpointMixin(AbstractTrainer):
         bad = [f"{name}.{param_name}" for name, model in self.named_models().items()
                for param_name, param in model.named_parameters()
                if not bool(torch.isfinite(local_tensor(param)).all())]
-        if any_rank_failed(bool(bad), self.world.device):
+        if agree_any(bool(bad), self.world.device):
             raise CheckpointError(
                 f"not saving step {self.global_step}: the model has non-finite values"
                 + (f" in {', '.join(bad[:5])}" if bad else " on another rank")

@@ -8,8 +8,6 @@ from typing import Any
 import torch
 
 from dream_trainer.configs.base import ConfigModel
-from dream_trainer.parallel.materialize import any_rank_failed
-from dream_trainer.parallel.pipeline import PipelineStages
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.trainer.phases import runs_on
 
@@ -98,30 +96,17 @@ class EvalMixin(AbstractTrainer):
         Under a pipeline only the ranks holding the last stage see outputs (update metrics
         inside ``loss_fn``): they compute, and every other stage receives their values.
         """
-        pipeline = next((model for model in self.named_models().values()
-                         if isinstance(model, PipelineStages)), None)
         values: dict[str, float] = {}
         for attribute, metric in self.named_metrics().items():
             updated = any(leaf.update_count > 0 for leaf in _leaves(metric))
-            # Every rank that syncs must take part, so decide together.
-            if pipeline is not None:
-                # Decided among the last stage's data-parallel ranks, which sync its states.
-                dp_mesh = self.world.dp_mesh
-                if dp_mesh is not None:
-                    updated = any_rank_failed(updated, self.world.device, dp_mesh.get_group())
-                compute = pipeline.has_last_stage and updated
-            else:
-                compute = any_rank_failed(updated, self.world.device)
-            if compute:
+            if self.layout.agree_to_compute(updated):
                 computed = metric.compute()
                 if not isinstance(computed, dict):
                     computed = {type(metric).__name__: computed}
                 for name, value in computed.items():
                     values[f"{attribute}/{name}"] = _scalar(value)
             metric.reset()
-        if pipeline is not None:
-            values = pipeline.runner.from_last_stage(values)
-        return values
+        return self.layout.share_results(values)
 
 
 def _never() -> bool:

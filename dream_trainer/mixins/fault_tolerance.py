@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from dream_trainer.ft.replica_group import ReplicaGroup
 
 logger = logging.getLogger(__name__)
+# The cause an update the groups did not commit is counted under in the update vote.
+VOTE_CAUSE = "fault_tolerance"
 
 _STATE_KEY = "fault_tolerance"
 
@@ -81,6 +83,7 @@ class FaultTolerantMixin(BaseTrainer):
         # The counters as of the latest step, still readable after teardown.
         self._committed_steps = 0
         self._participants = 0
+        self.update_vote.add(VOTE_CAUSE, self._commit)
 
     def _check_bases(self) -> None:
         """The directory overrides only win if this class precedes the mixins that own them."""
@@ -192,22 +195,21 @@ class FaultTolerantMixin(BaseTrainer):
         weighted = self.item_weighting.active
         group.reduce_gradients(parameters, summed=weighted)
         if weighted:
-            dp_mesh = self.world.dp_mesh
-            self.item_weighting.add_peer_counts(
-                None if dp_mesh is None else dp_mesh.get_group(), group.sum_across_groups)
+            self.item_weighting.add_peer_counts(self.world.dp_group, group.sum_across_groups)
 
-    @override
-    def apply_update(self, optimizer: torch.optim.Optimizer) -> None:
+    def _commit(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """The step's vote (``update_vote``): the replica groups commit, or its update is
+        dropped. Asked every step, also when another cause skips the update: the commit is
+        the groups' protocol."""
         group = self._group
         committed = group.commit()
         self._last_step_committed = committed
         self._committed_steps, self._participants = group.committed_steps, group.participants
-        if committed:
-            super().apply_update(optimizer)
-            return
-        logger.warning("replica group %d: optimizer step %d did not commit (a peer failed "
-                       "during it, or too few groups were live): its update is dropped",
-                       self.replica_id, self.global_step + 1)
+        if not committed:
+            logger.warning("replica group %d: optimizer step %d did not commit (a peer failed "
+                           "during it, or too few groups were live): its update is dropped",
+                           self.replica_id, self.global_step + 1)
+        return committed
 
     @runs_on("teardown")
     def _leave_replica_groups(self) -> None:

@@ -16,18 +16,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 
 from dream_trainer.configs.base import ConfigModel
-from dream_trainer.configs.training import pipeline_batch_problem
-from dream_trainer.data.loaders import pipeline_split_problem, prepare_loader
+from dream_trainer.data.loaders import prepare_loader
 from dream_trainer.mixins.parallelize import ParallelizeModels
-from dream_trainer.parallel.materialize import (FullTensorInit, any_rank_failed,
-                                                find_uninitialized, has_meta_tensors,
-                                                materialize, parameters_named)
-from dream_trainer.parallel.pipeline import PipelineStages
+from dream_trainer.parallel.materialize import (FullTensorInit, find_uninitialized,
+                                                has_meta_tensors, materialize,
+                                                parameters_named)
 from dream_trainer.trainer.phases import runs_on
 from dream_trainer.trainer.schedulers import step_with_metric, takes_metric
 from dream_trainer.trainer.validation import map_loaders, named_sets
 from dream_trainer.weights.hf import DEFAULT_MAX_SHARD_BYTES, ExportFormat
-from dream_trainer.world.dims import MeshAxis
+from dream_trainer.world.agree import agree_any
 
 if TYPE_CHECKING:
     from dream_trainer.checkpoint.pretrained import PretrainedWeights
@@ -205,13 +203,10 @@ class SetupMixin(ParallelizeModels):
         """
         from torch.distributed.fsdp import FSDPModule
 
-        released = False
+        released = self.layout.teardown()
         for name, model in self.named_models().items():
             if isinstance(model, DistributedDataParallel):
                 setattr(self, name, model.module)
-                released = True
-            elif isinstance(model, PipelineStages):
-                model.teardown()
                 released = True
             elif isinstance(model, FSDPModule):
                 released = True
@@ -249,18 +244,9 @@ class SetupMixin(ParallelizeModels):
             )
 
     def build_training(self) -> None:
-        """Parallelize, materialize and wrap the models; then optimizers, schedulers, data."""
-        dims = self.world.dims
-        if dims.pp > 1:
-            self._setup_pipeline()
-        else:
-            self._apply_parallelism()
-            with self.world.materialization.context():
-                self._materialize_models()
-            if dims.dp_replicate > 1 and dims.dp_shard == 1:
-                mesh = self.world.get_mesh(MeshAxis.DP_REPLICATE)
-                assert mesh is not None
-                self.apply_replicate(mesh)
+        """Parallelize, materialize and wrap the models (as the layout does: split into
+        stages under a pipeline); then optimizers, schedulers, data."""
+        self.layout.build_models(self)
         self._setup_optimizers()
         self._setup_schedulers()
         self._setup_dataloaders()
@@ -269,7 +255,7 @@ class SetupMixin(ParallelizeModels):
         device = self.world.device
         pretrained = self._pretrained_weights()
         # Re-seed so the weights depend only on the seed, whatever configure_models drew.
-        self.world.seed(self.config.seed)
+        self._reseed()
         loaded: list[torch.Tensor] = []
         for name, model in self.named_models().items():
             names = pretrained.names(name) if pretrained is not None else set()
@@ -299,7 +285,7 @@ class SetupMixin(ParallelizeModels):
         # one of them or raises.
         bad = [entry for name, model in self.named_models().items()
                for entry in find_uninitialized(name, model, skip=loaded)]
-        if any_rank_failed(bool(bad), device):
+        if agree_any(bool(bad), device):
             raise RuntimeError(
                 "some model tensors were never initialized: "
                 + (", ".join(bad[:10]) if bad else "(found on another rank)")
@@ -402,23 +388,9 @@ class SetupMixin(ParallelizeModels):
         self._val_loader = None if val is None else map_loaders(
             val, lambda loader: prepare_loader(loader, world.dp_size, world.dp_rank, seed,
                                                validation=True))
-        if world.dims.pp > 1:
-            self._check_pipeline_batches()
-
-    def _check_pipeline_batches(self) -> None:
-        """Refuse now a batch that the pipeline could not cut into its microbatches at its
-        step: a configured batch size (when ``pipeline_parallel`` was ``"auto"``, the
-        config could not check it) and each validation loader's batches, short ones
-        included, where its length tells them."""
-        params = self.config.training_parameters
-        microbatches = self.world.dims.pp_microbatches
-        problems = [pipeline_batch_problem(params, microbatches)] + [
-            pipeline_split_problem(loader, _validation_kind(name), microbatches,
-                                   params.val_steps_per_epoch)
-            for name, loader in named_sets(self._val_loader).items()]
-        problem = next((problem for problem in problems if problem is not None), None)
-        if problem is not None:
-            raise ValueError(problem)
+        # Refused now rather than at the step that would fail (a pipeline's microbatches).
+        self.layout.check_batches(params, {_validation_kind(name): loader for name, loader
+                                           in named_sets(self._val_loader).items()})
 
     # -- accessors ---------------------------------------------------------------------------
     def named_models(self) -> dict[str, nn.Module]:

@@ -8,7 +8,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from pydantic import Field
 
 from dream_trainer.configs.logging import LoggingConfigMixin
@@ -16,6 +15,7 @@ from dream_trainer.mixins.logging import LoggerMixin
 from dream_trainer.trainer.phases import runs_on
 from dream_trainer.utils.media import (Histogram, ImagesLike, plain, to_uint8_images,
                                        to_uint8_video)
+from dream_trainer.world.agree import from_rank_zero
 
 
 def _wandb() -> Any:
@@ -79,10 +79,7 @@ class WandBLoggerMixin(LoggerMixin):
     def _agree_on_run_id(self) -> None:
         # Every rank holds the id, since any rank's copy may be the one a checkpoint keeps. A
         # resume (CheckpointMixin, listed before this mixin) has already restored it.
-        holder = [self._wandb_run_id or uuid.uuid4().hex[:8]]
-        if self.world.world_size > 1:
-            dist.broadcast_object_list(holder, src=0)
-        self._wandb_run_id = holder[0]
+        self._wandb_run_id = from_rank_zero(self._wandb_run_id or uuid.uuid4().hex[:8])
 
     def start_logging(self) -> None:
         super().start_logging()

@@ -1,7 +1,8 @@
 """Parallelism helpers for users writing their own setup hooks.
 
-The data-parallel backends (``data_parallel``) and mixed-precision handling (``precision``)
-are the trainer's own mechanisms, reached through ``DeviceParameters`` and ``SetupMixin``.
+The data-parallel backends (``data_parallel``), the layout strategy (``layout``, the trainer's
+``self.layout``) and mixed-precision handling (``precision``) are the trainer's own
+mechanisms, reached through ``DeviceParameters`` and ``SetupMixin``.
 """
 
 from dream_trainer.parallel.blocks import find_blocks

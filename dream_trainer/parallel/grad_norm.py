@@ -31,6 +31,17 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None,
             across pipeline stages, which another stage's copy counts.
     """
     params = list(parameters)
+    grads = [param.grad for param in params if param.grad is not None]
+    if not uncounted and (pipeline_group is None or dist.get_world_size(pipeline_group) == 1) \
+            and not any(is_dtensor(grad) for grad in grads):
+        # Plain tensors, all counted (one process, DDP): torch's own norm and clip, and no
+        # grouping, which at every step of a small model costs as much as the norm itself.
+        if not grads:
+            return torch.zeros((), device=params[0].device if params else None)
+        total = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        return total
     groups: dict[Hashable, list[nn.Parameter]] = {}
     for param in params:
         grad = param.grad

@@ -9,7 +9,6 @@ from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -148,7 +147,7 @@ def find_uninitialized(name: str, module: nn.Module,
                        skip: Iterable[torch.Tensor] = ()) -> list[str]:
     """Names of parameters/buffers of ``module`` still on meta or holding non-finite values.
 
-    Only this rank's shards are inspected; combine ranks with ``any_rank_failed``. Tensors in
+    Only this rank's shards are inspected; combine ranks with ``agree_any``. Tensors in
     ``skip`` (left for pretrained weights to fill) are not inspected.
     """
     bad = []
@@ -170,15 +169,3 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     temporaries about twice its size (an absolute-value copy and two masks)."""
     flat = tensor.detach().reshape(-1)
     return all(bool(torch.isfinite(chunk).all()) for chunk in flat.split(_CHECK_ELEMENTS))
-
-
-def any_rank_failed(failed: bool, device: torch.device,
-                    group: dist.ProcessGroup | None = None) -> bool:
-    """True on every rank of ``group`` (default: all) when ``failed`` is True on any of them
-    (one all-reduce)."""
-    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
-        return failed
-    # gloo cannot all-reduce bool, so int32.
-    flag = torch.tensor([int(failed)], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())

@@ -22,14 +22,15 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from dream_trainer.configs.device import V_SCHEDULES, DeviceParameters, pipeline_layout
+from dream_trainer.configs.device import V_SCHEDULES
 from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.names import clean_name
+from dream_trainer.world.dims import ParallelDims
 
 if TYPE_CHECKING:
     from dream_trainer.parallel.pipeline_schedule import PipelineRunner
 
-def stage_ids(pp_rank: int, pp_size: int, params: DeviceParameters) -> list[int]:
+def stage_ids(pp_rank: int, dims: ParallelDims) -> list[int]:
     """The pipeline stages a pipeline rank holds, in increasing order.
 
     Stage ``s`` of ``p * v`` runs on pipeline rank ``s % p`` ("loop" placement), except for
@@ -38,13 +39,12 @@ def stage_ids(pp_rank: int, pp_size: int, params: DeviceParameters) -> list[int]
 
     Args:
         pp_rank: The rank in the pipeline (``pp_mesh.get_local_rank()``).
-        pp_size: The pipeline degree (``pp_mesh.size()``).
-        params: The device parameters naming the schedule and stages per rank.
+        dims: The resolved layout (``world.dims``): the degree ``pp``, the stages per rank
+            and the schedule, as ``ParallelDims.resolve`` settled them.
     """
-    per_rank, _ = pipeline_layout(params, pp_size)
-    if params.pipeline_schedule in V_SCHEDULES:
-        return [pp_rank, 2 * pp_size - 1 - pp_rank]
-    return [pp_rank + k * pp_size for k in range(per_rank)]
+    if dims.pp_schedule in V_SCHEDULES:
+        return [pp_rank, 2 * dims.pp - 1 - pp_rank]
+    return [pp_rank + k * dims.pp for k in range(dims.pp_stages_per_rank)]
 
 
 class _StageSequential(nn.Sequential):
@@ -359,19 +359,6 @@ class PipelineStages(nn.Module):
     @override
     def extra_repr(self) -> str:
         return f"stages={self.stage_ids} of {self.num_stages}"
-
-
-def reduce_tied_gradients(model: nn.Module) -> None:
-    """Sum the gradients of each weight tied across pipeline stages into every copy (see
-    ``PipelineStages.reduce_tied_gradients``); nothing to do for any other model."""
-    if isinstance(model, PipelineStages):
-        model.reduce_tied_gradients()
-
-
-def uncounted_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters a gradient norm of ``model`` leaves out: the copies of a weight tied
-    across pipeline stages beyond the counted one; none for any other model."""
-    return model.uncounted_parameters if isinstance(model, PipelineStages) else []
 
 
 def describe_stage(stage: nn.Module) -> str:

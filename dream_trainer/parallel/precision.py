@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any
 
 import torch
 
 from dream_trainer.configs.device import DeviceParameters
 from dream_trainer.world.dims import ParallelDims
-
-logger = logging.getLogger(__name__)
 
 
 class Precision:
@@ -34,7 +31,6 @@ class Precision:
                 self.scaler = ShardedGradScaler(device.type)
             else:
                 self.scaler = torch.amp.GradScaler(device.type)
-        self.skipped_steps = 0
         self._pending_update = False
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -50,29 +46,31 @@ class Precision:
         """Bring gradients back to their true scale before they are measured or clipped."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
+            self._pending_update = True
+
+    def overflowed(self, optimizer: torch.optim.Optimizer) -> bool:
+        """After ``unscale_``: whether the float16 gradients hold an inf or NaN (the vote's
+        float16 cause). A host sync, the one the scaler's own step would make."""
+        if self.scaler is None:
+            return False
+        # What GradScaler.step reads to decide the same; torch keeps it per optimizer.
+        found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        return bool(sum(float(value.item()) for value in found.values()))
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Step ``optimizer``; with a scaler, a step with non-finite gradients is skipped."""
+        """Step ``optimizer`` (through the scaler with float16)."""
         if self.scaler is None:
             optimizer.step()
-            return
-        self.scaler.step(optimizer)
-        self._pending_update = True
+        else:
+            self.scaler.step(optimizer)
 
     def update(self) -> None:
-        """Adjust the loss scale once per optimizer-step window, after every step in it.
-
-        The scaler lowers the scale exactly when it skipped a step for inf/NaN gradients.
-        """
+        """Adjust the loss scale once per optimizer step, after its vote: lowered when the
+        gradients overflowed (the vote skipped the update), raised after enough good steps."""
         if self.scaler is None or not self._pending_update:
             return
-        before = self.scaler.get_scale()
         self.scaler.update()
         self._pending_update = False
-        if self.scaler.get_scale() < before:
-            self.skipped_steps += 1
-            logger.warning("float16 gradients overflowed at loss scale %g: the optimizer "
-                           "step was skipped (%d so far)", before, self.skipped_steps)
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self.scaler is None else {"scaler": self.scaler.state_dict()}

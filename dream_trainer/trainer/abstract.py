@@ -15,6 +15,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.device import DeviceParameters
 from dream_trainer.errors import StopTraining
+from dream_trainer.parallel.layout import Layout
 from dream_trainer.trainer.callback_collection import CallbackCollection
 from dream_trainer.trainer.hooks import TrainerHooks
 from dream_trainer.trainer.phases import chain_base, run_phase_to_the_end
@@ -82,6 +83,9 @@ class AbstractTrainer(TrainerHooks, ABC):
 
     config: AbstractTrainerConfig
     world: DistributedWorld
+    layout: Layout
+    """What differs between one process, data parallel, a pipeline and expert parallelism,
+    resolved once from ``world.dims``: the loop and the mixins call it, never branch on it."""
     callbacks: CallbackCollection
     training: bool
     sanity_checking: bool

@@ -9,12 +9,13 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from dream_trainer.configs.device import pipeline_layout
+from dream_trainer.configs.device import fixed_pipeline_microbatches
 from dream_trainer.configs.training import TrainingParameters, pipeline_batch_problem
 from dream_trainer.data.batch import move_to_device
 from dream_trainer.data.loaders import has_resumable_sampler, numbered_batches
 from dream_trainer.data.stream import TrainBatches
 from dream_trainer.parallel.data_parallel import DataParallelBackend, backend_for
+from dream_trainer.parallel.layout import Layout
 from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainerConfig, StopTraining
 from dream_trainer.trainer.callback_collection import CallbackCollection
@@ -45,10 +46,7 @@ class BaseTrainerConfig(AbstractTrainerConfig):
     def _check_pipeline_batches(self) -> BaseTrainerConfig:
         # Batch sizes live apart from the pipeline settings, so their fit is checked here; a
         # degree of "auto" is checked by the same rule once resolved, at setup.
-        params = self.device_parameters
-        if params.pipeline_parallel in (1, "auto"):
-            return self
-        _, microbatches = pipeline_layout(params, params.pipeline_parallel)
+        microbatches = fixed_pipeline_microbatches(self.device_parameters)
         problem = pipeline_batch_problem(self.training_parameters, microbatches)
         if problem is not None:
             raise ValueError(problem)
@@ -78,7 +76,9 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
         self.config = config
         self.world = DistributedWorld(config.device_parameters)
         self.data_parallel: DataParallelBackend = backend_for(self.world.dims)
+        self.layout = Layout.resolve(self.world, self.data_parallel)
         self.precision = Precision(config.device_parameters, self.world.dims, self.world.device)
+        self._declare_step_stages()
         self.item_weighting = ItemWeighting(self.world.device)
         self.callbacks = CallbackCollection(config.callbacks)
         self.training = False
@@ -158,13 +158,14 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
         Allowed until the models are configured: before ``fit()``/``set_up()``, or from a
         ``pre_launch``/``pre_configure`` hook. Before launch the callbacks are rebuilt from
         ``config.callbacks`` (attached again); from a hook they must stay the same. The mesh
-        cannot change: the world was resolved from the first config's degrees.
+        and the pipeline's layout cannot change: the world was resolved from the first
+        config's.
 
         Raises:
             RuntimeError: after the models were configured, or from a hook with other
                 callbacks.
             TypeError: if ``config`` is not of the trainer's config class.
-            ValueError: if its mesh degrees differ.
+            ValueError: if its mesh degrees or pipeline layout settings differ.
         """
         if type(config) is not type(self.config):
             raise TypeError(f"replace_config() takes a {type(self.config).__name__}, got "
@@ -173,12 +174,14 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
             raise RuntimeError("replace_config() after the models were configured: call it "
                                "before fit()/set_up(), or from pre_launch/pre_configure")
         degrees = ("dp_replicate", "dp_shard", "tensor_parallel", "context_parallel",
-                   "pipeline_parallel", "expert_parallel")
+                   "pipeline_parallel", "expert_parallel", "pipeline_schedule",
+                   "pipeline_microbatches", "pipeline_stages_per_rank")
         old, new = self.config.device_parameters, config.device_parameters
         changed = [name for name in degrees if getattr(old, name) != getattr(new, name)]
         if changed:
             raise ValueError(f"replace_config() cannot change the mesh ({', '.join(changed)}): "
-                             "the world was resolved from the first config's degrees")
+                             "the world and its layout were resolved from the first config's "
+                             "degrees and pipeline settings")
         callbacks_changed = list(config.callbacks) != list(self.config.callbacks)
         if callbacks_changed and self.world.is_launched:
             raise RuntimeError("replace_config() from a hook cannot change the callbacks: "

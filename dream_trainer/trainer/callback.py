@@ -19,11 +19,19 @@ class Callback(TrainerHooks, Generic[TrainerT]):
 
     Parametrize with the trainer capabilities the callback needs: ``Callback[EvalMixin]``
     can only be attached to a trainer that is an ``EvalMixin``. Once attached, the trainer is
-    ``self.trainer``. Override ``state_dict``/``load_state_dict`` to keep state in checkpoints.
+    ``self.trainer``; a capability used only when present (a logger) is decided in
+    ``attached()``. Override ``state_dict``/``load_state_dict`` to keep state in checkpoints.
     """
 
     trainer: TrainerT
     rank_zero_only: typing.ClassVar[bool] = False
+
+    def attached(self) -> None:
+        """Run by ``CallbackCollection.attach`` once ``self.trainer`` is bound and its required
+        capabilities are checked, on every rank: decide here, once, what depends on an
+        optional capability (``isinstance(self.trainer, LoggerMixin)``), rather than in a hook
+        each step. Does nothing by default; overrides need not call ``super()``.
+        """
 
     def state_dict(self) -> dict[str, Any]:
         """State to store in checkpoints (empty by default)."""

@@ -66,27 +66,31 @@ class CallbackCollection(TrainerHooks):
     def attach(self, trainer: AbstractTrainer) -> None:
         """Bind every callback to ``trainer`` and build the dispatch table.
 
-        Rank-zero callbacks get no hooks on the other ranks.
+        Every callback's requirements are checked before any is bound; then each is bound and
+        its ``attached()`` runs, in order. Rank-zero callbacks get no hooks on the other ranks.
 
         Raises:
             TypeError: if a callback requires a trainer capability (``Callback[EvalMixin]``)
-                that ``trainer`` does not have.
+                that ``trainer`` does not have, naming both and where the capability lives.
         """
         for callback in self._callbacks:
             missing = [req for req in callback.trainer_requirements()
                        if not isinstance(trainer, req)]
             if missing:
                 names = ", ".join(getattr(req, "__name__", repr(req)) for req in missing)
+                sources = ", ".join(_qualified(req) for req in missing)
+                owner = type(trainer).__qualname__
                 raise TypeError(
                     f"{type(callback).__qualname__} requires a trainer that is a {names}, but "
-                    f"{type(trainer).__qualname__} is not: add the mixin to your trainer class "
-                    "or remove the callback"
+                    f"{owner} is not: add {sources} to the bases of {owner}, or remove the "
+                    "callback"
                 )
         for listeners in self._listeners.values():
             listeners.clear()
         self._active.clear()
         for callback in self._callbacks:
             callback.trainer = trainer
+            callback.attached()
             if callback.rank_zero_only and not trainer.world.is_rank_zero:
                 continue
             self._active.append(callback)
@@ -169,6 +173,13 @@ class CallbackCollection(TrainerHooks):
             f"expected a CallbackCollection or a list of Callback instances, got "
             f"{type(value).__name__}"
         )
+
+
+def _qualified(requirement: Any) -> str:
+    """``LoggerMixin (from dream_trainer.mixins.logging)``: where to import it from."""
+    name = getattr(requirement, "__name__", repr(requirement))
+    module = getattr(requirement, "__module__", None)
+    return f"{name} (from {module})" if module else name
 
 
 def _make_dispatcher(name: str) -> Callable[..., None]:

@@ -7,10 +7,8 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from dream_trainer.configs.training import TrainingParameters
+from dream_trainer.world.agree import agree_min
 from dream_trainer.world.world import DistributedWorld
 
 logger = logging.getLogger(__name__)
@@ -61,18 +59,11 @@ def plan_train_steps(loader: Iterable[Any], params: TrainingParameters,
                 "gradient_accumulation_steps=%d: the last %d batches of each epoch are "
                 "not used", n_batches, accumulation, n_batches % accumulation,
             )
-    return _agree_on_steps(steps, world)
-
-
-def _agree_on_steps(steps: int, world: DistributedWorld) -> int:
-    if not (dist.is_initialized() and world.world_size > 1):
-        return steps
-    agreed = torch.tensor([steps], dtype=torch.int64, device=world.device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-    if int(agreed) != steps:
+    agreed = agree_min(steps, world.device)
+    if agreed != steps:
         logger.warning(
             "rank %d has %d optimizer steps per epoch but another rank has only %d: every "
             "rank runs %d (give every rank the same amount of data)",
-            world.rank, steps, int(agreed), int(agreed),
+            world.rank, steps, agreed, agreed,
         )
-    return int(agreed)
+    return agreed

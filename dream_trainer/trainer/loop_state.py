@@ -11,6 +11,7 @@ from typing import Any
 from dream_trainer.data.stream import TrainBatches
 from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.trainer.step_stages import UpdateVote
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +23,7 @@ class LoopState(AbstractTrainer):
     callbacks' states; and the stateful train loader's position per rank."""
 
     precision: Precision
+    update_vote: UpdateVote
     _train_batches: TrainBatches | None
     _epoch_done: bool
     _batches_done: int
@@ -63,6 +65,7 @@ class LoopState(AbstractTrainer):
             "epoch_result": [] if pending is None else [[key, value]
                                                         for key, value in pending.items()],
             "precision": self.precision.state_dict(),
+            "update_vote": self.update_vote.state_dict(),
             "callbacks": self.callbacks.state_dict(),
         }
 
@@ -110,6 +113,7 @@ class LoopState(AbstractTrainer):
         pairs = state_dict.get("epoch_result") or []
         self._epoch_result = {str(key): float(value) for key, value in pairs} if pairs else None
         self.precision.load_state_dict(state_dict.get("precision", {}))
+        self.update_vote.load_state_dict(state_dict.get("update_vote", {}))
         self.callbacks.load_state_dict(state_dict.get("callbacks", {}))
 
     def _check_global_batch(self, state_dict: dict[str, Any]) -> None:

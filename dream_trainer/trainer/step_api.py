@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import weakref
 from abc import abstractmethod
 from typing import Any
 
@@ -12,19 +11,14 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from dream_trainer.nn.moe import moe_layers
-from dream_trainer.parallel.data_parallel import DataParallelBackend
-from dream_trainer.parallel.dtensor import full_value
-from dream_trainer.parallel.grad_norm import clip_grad_norm
-from dream_trainer.parallel.pipeline import (PipelineStages, reduce_tied_gradients,
-                                             uncounted_parameters)
+from dream_trainer.parallel.expert_balance import ExpertBalancing
 from dream_trainer.parallel.pipeline_schedule import LossFn
 from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.trainer.item_weighting import ItemWeighting
 from dream_trainer.trainer.schedulers import takes_metric
+from dream_trainer.trainer.step_stages import StepPoints, UpdateVote
 from dream_trainer.trainer.validation import check_result
-from dream_trainer.world.dims import MeshAxis
 
 
 class StepAPI(AbstractTrainer):
@@ -34,8 +28,11 @@ class StepAPI(AbstractTrainer):
 
     precision: Precision
     item_weighting: ItemWeighting
-    data_parallel: DataParallelBackend
     _batch_idx: int
+    step_points: StepPoints
+    """What runs at the step's ``after_backward`` and ``after_update`` points."""
+    update_vote: UpdateVote
+    """Whether each step's update happens, and the skipped updates per cause."""
     _rerunning = False
     """True inside ``rerun_training_step``: ``backward()`` counts nothing, ``step()`` is inert."""
 
@@ -66,13 +63,7 @@ class StepAPI(AbstractTrainer):
         """
         if not self.training:
             raise RuntimeError("backward() may only be called inside training_step")
-        if self.world.dims.pp > 1:
-            raise RuntimeError(
-                "backward() cannot run under pipeline_parallel > 1: the pipeline schedule runs "
-                "forward and backward stage by stage. Replace `loss = loss_fn(self.model(x), "
-                "y); self.backward(loss)` with `loss = self.forward_backward(self.model, x, "
-                "target=y, loss_fn=loss_fn)`, which does the same without a pipeline"
-            )
+        self.layout.check_backward()
         divisor = self._count_items(num_items)
         loss = loss / divisor if divisor > 1 else loss
         self.precision.scale(loss).backward()
@@ -110,12 +101,11 @@ class StepAPI(AbstractTrainer):
         if not self.training:
             raise RuntimeError("forward_backward() may only be called inside training_step")
         with self._loss_context():
-            if not isinstance(model, PipelineStages):
-                loss = loss_fn(model(*inputs), target)
-                self.backward(loss, num_items=num_items)
-                return full_value(loss.detach())  # a DTensor under loss_parallel
-            divisor = self._count_items(num_items)
-            return model.run(inputs, target, loss_fn, 1.0 / divisor, num_items is not None)
+            return self.layout.forward_backward(
+                model, inputs, target, loss_fn,
+                backward=lambda loss: self.backward(loss, num_items=num_items),
+                loss_scale=lambda: 1.0 / self._count_items(num_items),
+                sum_losses=num_items is not None)
 
     def forward_loss(self, model: nn.Module, *inputs: Any, target: Any, loss_fn: LossFn,
                      num_items: int | torch.Tensor | None = None) -> torch.Tensor:
@@ -131,9 +121,8 @@ class StepAPI(AbstractTrainer):
             ValueError: if the batch does not split into the pipeline's microbatches.
         """
         with torch.no_grad(), self._loss_context():
-            if not isinstance(model, PipelineStages):
-                return full_value(loss_fn(model(*inputs), target).detach())
-            return model.run(inputs, target, loss_fn, None, num_items is not None)
+            return self.layout.forward_loss(model, inputs, target, loss_fn,
+                                            sum_losses=num_items is not None)
 
     def _count_items(self, num_items: int | torch.Tensor | None) -> int:
         """Record one backward's items for the window's weighting (or that it has none); return
@@ -157,17 +146,16 @@ class StepAPI(AbstractTrainer):
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: LRScheduler | None = None) -> torch.Tensor:
-        """Turn the window's gradients into one update, in named stages: ``pre_optimizer_step``
-        hooks (where fault tolerance averages across replica groups), unscale (float16),
-        normalize by the window's items (after ``backward(loss, num_items=n)``: the mean over
-        every item of the global batch), sum the gradients of a weight tied across pipeline
-        stages into each stage's copy, clip, apply (``apply_update``, the override point
-        for mixins that decide whether an update happens), move the balancing bias of every
-        ``MoE`` layer by the whole step's expert load, zero the gradients, step the
-        scheduler, ``post_optimizer_step`` hooks.
-
-        With float16 a step whose gradients overflowed is skipped by the scaler and counted in
-        ``precision.skipped_steps``.
+        """Turn the window's gradients into one update, in the declared stages of
+        ``step_stages.STAGES``: ``pre_optimizer_step`` hooks (where fault tolerance averages
+        across replica groups), unscale (float16), normalize by the window's items (after
+        ``backward(loss, num_items=n)``: the mean over every item of the global batch), the
+        ``after_backward`` point (``step_points``: the gradients of a weight tied across
+        pipeline stages are summed there), clip, the vote (``update_vote``: float16 overflow,
+        ``NanGuard``, the fault-tolerance commit), apply (``apply_update``) when the vote
+        passed, the ``after_update`` point (``MoE`` layers move their balancing bias by the
+        whole step's expert load), zero the gradients, step the scheduler,
+        ``post_optimizer_step`` hooks.
 
         Args:
             model: The model whose gradient norm is measured and clipped.
@@ -191,41 +179,36 @@ class StepAPI(AbstractTrainer):
         self._fire("pre_optimizer_step", model, optimizer)
         self.precision.unscale_(optimizer)
         self._normalize_items(model)
-        reduce_tied_gradients(model)
+        self.step_points.run("after_backward", model, optimizer)
         grad_norm = self._clip(model)
-        self.apply_update(optimizer)
-        self._balance_experts(model)
+        if self.update_vote.decide(model, optimizer, self.global_step + 1):
+            self.apply_update(optimizer)
+        self.step_points.run("after_update", model, optimizer)
         optimizer.zero_grad(set_to_none=True)
         self._step_scheduler(optimizer, scheduler)
         self._fire("post_optimizer_step", model, optimizer)
         return grad_norm
 
+    def _declare_step_stages(self) -> None:
+        """The step's own actions and voters (a mixin or callback adds its own the same way:
+        ``step_points.add``, ``update_vote.add`` / ``veto``)."""
+        self.step_points = StepPoints()
+        self.update_vote = UpdateVote()
+        self.step_points.add("after_backward", "layout",
+                             lambda model, optimizer: self.layout.reduce_gradients(model))
+        self.step_points.add("after_update", "expert_balance",
+                             ExpertBalancing(lambda: self.world.dp_group))
+        if self.precision.scaler is not None:
+            self.update_vote.add("float16_overflow",
+                                 lambda model, optimizer: not self.precision.overflowed(optimizer))
+
     def _normalize_items(self, model: nn.Module) -> None:
         if self.item_weighting.active:
-            dp_mesh = self.world.dp_mesh
-            self.item_weighting.scale_gradients(
-                model.parameters(), None if dp_mesh is None else dp_mesh.get_group(),
-                self.world.dp_size)
-
-    def _balance_experts(self, model: nn.Module) -> None:
-        # The MoE layers of each model are found once, not by walking every module each step.
-        found: weakref.WeakKeyDictionary[nn.Module, list[Any]] = vars(self).setdefault(
-            "_moe_layers", weakref.WeakKeyDictionary())
-        if model not in found:
-            found[model] = list(moe_layers(model))
-        if not found[model]:
-            return
-        # The load of every micro-batch on every data-parallel rank: one process's batch.
-        dp_mesh = self.world.dp_mesh
-        group = None if dp_mesh is None else dp_mesh.get_group()
-        for layer in found[model]:
-            layer.update_bias(group)
+            self.item_weighting.scale_gradients(model.parameters(), self.world.dp_group,
+                                                self.world.dp_size)
 
     def _clip(self, model: nn.Module) -> torch.Tensor:
-        pp_mesh = self.world.get_mesh(MeshAxis.PP)
-        return clip_grad_norm(model.parameters(), self.training_parameters.gradient_clip_val,
-                              pipeline_group=None if pp_mesh is None else pp_mesh.get_group(),
-                              uncounted=uncounted_parameters(model))
+        return self.layout.clip_grad_norm(model, self.training_parameters.gradient_clip_val)
 
     def _step_scheduler(self, optimizer: torch.optim.Optimizer,
                         scheduler: LRScheduler | None) -> None:
@@ -248,7 +231,7 @@ class StepAPI(AbstractTrainer):
         ``local_batches`` and ``global_step`` as they were, under the same autocast), except
         that ``backward()`` counts no items, ``step()`` does nothing and returns a zero
         tensor, no hook fires, and every model runs on this rank alone (no gradient
-        synchronisation, no buffer broadcast: ``DataParallelBackend.local_pass``). The
+        synchronisation, no buffer broadcast: ``Layout.local_pass``). The
         gradients still accumulate into ``.grad`` and modules may update their own state
         (running statistics, for one); saving and restoring those, and the random generators,
         is the caller's part.
@@ -267,10 +250,9 @@ class StepAPI(AbstractTrainer):
         """
         accumulation = self.training_parameters.gradient_accumulation_steps
         first = self._batch_idx - self._batch_idx % accumulation
-        if not self.training or self.world.dims.pp > 1:
-            raise RuntimeError("rerun_training_step() runs during training only, and not "
-                               "under pipeline_parallel > 1 (the schedule's passes are "
-                               "collective)")
+        if not self.training:
+            raise RuntimeError("rerun_training_step() runs during training only")
+        local = self.layout.local_pass(self.named_models().values())
         if not first <= batch_idx <= self._batch_idx:
             raise ValueError(f"rerun_training_step(batch_idx={batch_idx}): the current window "
                              f"holds batches {first}-{self._batch_idx}")
@@ -278,10 +260,7 @@ class StepAPI(AbstractTrainer):
         self.local_batches -= self._batch_idx - batch_idx
         self._batch_idx, self._rerunning = batch_idx, True
         try:
-            with contextlib.ExitStack() as passes:
-                for model in self.named_models().values():
-                    passes.enter_context(self.data_parallel.local_pass(model))
-                passes.enter_context(self.precision.autocast())
+            with local, self.precision.autocast():
                 return check_result(self.training_step(batch, batch_idx), "training_step")
         finally:
             (self._batch_idx, self.local_batches), self._rerunning = saved, False
@@ -289,9 +268,8 @@ class StepAPI(AbstractTrainer):
     def apply_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Apply the gradients: ``optimizer.step()``, through the gradient scaler with float16.
 
-        ``step()`` calls this after clipping and before zeroing the gradients. A mixin that
-        decides whether an update happens at all overrides it and calls ``super()`` only
-        when it does (``FaultTolerantMixin`` steps only when the replica groups commit).
+        ``step()`` calls this after clipping, when the vote passed (``update_vote``: whether an
+        update happens is decided there, not here), and before zeroing the gradients.
         """
         self.precision.step(optimizer)
 

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dream_trainer.errors import CheckpointError
 from dream_trainer.parallel.hf_init import is_hf_model
 from dream_trainer.parallel.names import clean_name, unwrap_ddp
 from dream_trainer.parallel.pipeline import PipelineStages, unwrap_stage
+from dream_trainer.world.agree import barrier, from_rank_zero, gather_objects, is_rank_zero
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def export_live(models: Mapping[str, nn.Module], path: Path, format: ExportForma
     for name, model in models.items():
         state = exported_state(name, model, map_key if format == "hf" else None, dtype)
         target, staging = export_paths(path, name, format, several=len(models) > 1,
-                                       make_room=_is_rank_zero())
+                                       make_room=is_rank_zero())
         if format == "hf":
             # Every rank plans the same shards: under a pipeline each holds other keys.
             sizes = _on_every_rank({key: tensor.numel() * tensor.element_size()
@@ -212,7 +212,7 @@ def export_live(models: Mapping[str, nn.Module], path: Path, format: ExportForma
             shards = plan_shards(sizes, max_shard_bytes)
         else:
             shards = [list(state)]
-        _barrier()
+        barrier()
         writer = HuggingFaceStorageWriter(
             str(staging), save_distributed=True, enable_consolidation=True,
             fqn_to_index_mapping={key: number for number, keys in enumerate(shards, start=1)
@@ -221,9 +221,9 @@ def export_live(models: Mapping[str, nn.Module], path: Path, format: ExportForma
             # One process is a valid case here; DCP warns that it assumes so.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             save(state, storage_writer=writer)
-        if _is_rank_zero():
+        if is_rank_zero():
             _publish(staging, target, len(shards), model if format == "hf" else None)
-        _barrier()
+        barrier()
         logger.info("exported %s to %s", name, target)
         written[name] = target
     return written
@@ -325,32 +325,16 @@ def replace_weights(staging: Path, target: Path) -> None:
 def _check_out_dir_on_rank_zero(out_dir: Path, overwrite: bool) -> None:
     """``check_out_dir`` on rank 0, raised on every rank (collective), before any write."""
     problem = None
-    if _is_rank_zero():
+    if is_rank_zero():
         try:
             check_out_dir(out_dir, overwrite)
         except FileExistsError as exc:
             problem = str(exc)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        shared = [problem]
-        dist.broadcast_object_list(shared, src=0)
-        problem = shared[0]
+    problem = from_rank_zero(problem)
     if problem is not None:
         raise FileExistsError(problem)
 
 
-def _is_rank_zero() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def _on_every_rank(sizes: dict[str, int]) -> dict[str, int]:
     """The union of every rank's ``{key: bytes}``, in key order of the ranks (collective)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return sizes
-    views: list[dict[str, int] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(views, sizes)
-    return {key: size for view in views for key, size in (view or {}).items()}
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    return {key: size for view in gather_objects(sizes) for key, size in view.items()}

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
-from dream_trainer.configs.device import (DeviceParameters, degree_problem,
+from dream_trainer.configs.device import (DeviceParameters, PipelineSchedule, degree_problem,
                                           pipeline_layout)
 from dream_trainer.errors import MeshMismatchError
 
@@ -62,6 +62,9 @@ class ParallelDims:
     """Microbatches per pipeline step (``pipeline_microbatches`` resolved)."""
     ep: int = 1
     """Expert-parallel degree (``expert_parallel``), a divisor of ``dp_shard``."""
+    pp_schedule: PipelineSchedule = "1F1B"
+    """The pipeline schedule (``pipeline_schedule``), which also places the stages on the
+    ranks (``stage_ids``); "1F1B" without a pipeline."""
 
     @classmethod
     def resolve(cls, params: DeviceParameters, world_size: int) -> ParallelDims:
@@ -101,8 +104,10 @@ class ParallelDims:
                                for axis, name in _AXIS_FIELDS if axis in auto)
             raise MeshMismatchError(problem)
         pp = resolved[0]
-        layout = pipeline_layout(params, pp) if pp > 1 else (1, 1)
-        return cls(*resolved, *layout, ep=params.expert_parallel)
+        if pp == 1:
+            return cls(*resolved, ep=params.expert_parallel)
+        return cls(*resolved, *pipeline_layout(params, pp), ep=params.expert_parallel,
+                   pp_schedule=params.pipeline_schedule)
 
     @property
     def pp_stages(self) -> int:

@@ -6,11 +6,13 @@ import itertools
 import logging
 import random
 from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dream_trainer.configs.device import DeviceParameters
+from dream_trainer.world import agree
 from dream_trainer.world.dims import MeshAxis, ParallelDims
 from dream_trainer.world.environment import LaunchEnvironment, set_flight_recorder_entries
 from dream_trainer.world.materialization import Materialization
@@ -23,7 +25,6 @@ logger = logging.getLogger(__name__)
 # read stale addresses and fail or hang (pytorch#135712). The prefix names the restart attempt
 # and the launch; every rank restarts and launches the same number of times.
 _LAUNCH_COUNTER = itertools.count()
-
 
 
 class DistributedWorld:
@@ -104,7 +105,7 @@ class DistributedWorld:
 
     @property
     def is_launched(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
+        return agree.is_launched()
 
     # -- mesh -------------------------------------------------------------------------------
     def get_mesh(self, axis: MeshAxis) -> DeviceMesh | None:
@@ -115,6 +116,10 @@ class DistributedWorld:
             return None
         return self.mesh[axis.value]
 
+    def get_group(self, axis: MeshAxis) -> dist.ProcessGroup | None:
+        """The process group of ``get_mesh(axis)``, or None when that axis has size 1."""
+        return _group_of(self.get_mesh(axis))
+
     @property
     def dp_mesh(self) -> DeviceMesh | None:
         """The mesh over every data-parallel rank (replicas and shards), or None."""
@@ -123,6 +128,12 @@ class DistributedWorld:
             if mesh is not None:
                 return mesh
         return None
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The process group of ``dp_mesh`` (every data-parallel rank), or None when there
+        is one data-parallel rank."""
+        return _group_of(self.dp_mesh)
 
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
@@ -182,7 +193,7 @@ class DistributedWorld:
         if self.device_parameters.detect_anomaly and self._anomaly_before is None:
             self._anomaly_before = torch.is_anomaly_enabled()
             torch.autograd.set_detect_anomaly(True)
-        if not dist.is_initialized():
+        if not agree.is_launched():
             if self.device_parameters.flight_recorder_entries is not None:
                 set_flight_recorder_entries(self.device_parameters.flight_recorder_entries)
             timeout = self.device_parameters.init_timeout
@@ -272,8 +283,7 @@ class DistributedWorld:
         return group
 
     def barrier(self) -> None:
-        if self.is_launched and self.world_size > 1:
-            dist.barrier()
+        agree.barrier()
 
     def shutdown(self, graceful: bool = True) -> None:
         """Destroy the process group created by ``launch()``; restore anomaly detection.
@@ -289,7 +299,7 @@ class DistributedWorld:
         if self._anomaly_before is not None:
             torch.autograd.set_detect_anomaly(self._anomaly_before)
             self._anomaly_before = None
-        if not (self._owns_process_group and dist.is_initialized()):
+        if not (self._owns_process_group and agree.is_launched()):
             return
         try:
             if graceful:
@@ -301,3 +311,7 @@ class DistributedWorld:
     def __repr__(self) -> str:
         return (f"DistributedWorld(rank={self.rank}, world_size={self.world_size}, "
                 f"device={self.device}, dims={self.dims})")
+
+
+def _group_of(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
+    return None if mesh is None else mesh.get_group()

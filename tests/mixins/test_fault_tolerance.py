@@ -307,6 +307,11 @@ def test_live_groups_keep_training_while_a_killed_group_restarts_and_recovers(
         alone = [e for e in entries if e["global_step"] > killed_at and e["committed"]
                  and e["participants"] == groups - 1]
         assert alone, f"replica group {replica_id} committed no step without the killed group"
+        # The one update vote counted every step that did not commit, under its cause.
+        for previous, entry in zip(entries, entries[1:]):
+            if (entry["pid"], entry["recoveries"]) == (previous["pid"], previous["recoveries"]):
+                assert entry["not_committed"] - previous["not_committed"] \
+                    == (not entry["committed"]), (replica_id, previous, entry)
 
     before = [e for e in records[victim] if e["pid"] in old_pids]
     after = [e for e in records[victim] if e["pid"] not in old_pids]

@@ -16,9 +16,9 @@ from tests.helpers.launch import REPO, child_env
 SCRIPT = REPO / "tests/scripts/logged_kill_run.py"
 LOGS = "logs/ckpt/tests/run/logs"
 # 10 optimizer steps per epoch, 3 epochs, a checkpoint every 5 steps. Killed after step 13,
-# the run resumes at step 10, the last step of epoch 0, saved before that epoch's end (its
-# validation, its means), which the resumed run goes through again; killed after step 27,
-# it resumes mid-epoch at step 25.
+# the run resumes at step 10, the last step of epoch 0, saved after that epoch's end (its
+# validation, its means), which the resumed run does not repeat; killed after step 27, it
+# resumes mid-epoch at step 25.
 KILLS = ["step:13", "step:27"]
 
 
@@ -57,6 +57,6 @@ def test_sigkilled_and_resumed_runs_log_one_value_per_step_and_key(tmp_path: Pat
             step: 1.0 if step <= 10 else 2.0 if step <= 25 else 3.0 for step in range(1, 31)}
         assert {step: values[step, "train_epoch/attempt"] for step in (10, 20, 30)} == {
             10: 1.0, 20: 2.0, 30: 3.0}
-        # Epoch 0's end came after the checkpoint of step 10: the resumed run validated again.
+        # Epoch 0's end came before the checkpoint of step 10: validated once, by attempt 1.
         assert {step: values[step, "val_attempt"] for step in (10, 20, 30)} == {
-            10: 2.0, 20: 2.0, 30: 3.0}
+            10: 1.0, 20: 2.0, 30: 3.0}

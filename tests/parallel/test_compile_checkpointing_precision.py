@@ -64,7 +64,7 @@ def test_float16_scales_the_loss_and_skips_overflowing_steps() -> None:
 
     trainer = train(DeviceParameters.SINGLE_DEVICE(param_dtype="fp16"), Overflow, steps=3)
     assert trainer.precision.scaler is not None
-    assert trainer.precision.skipped_steps == 1
+    assert trainer.update_vote.skipped == {"float16_overflow": 1}
     assert all(torch.equal(a, b) for a, b in zip(trainer.before_overflow, trainer.after_overflow))
     assert trainer.precision.scaler.get_scale() < 2.0 ** 16
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())

@@ -19,6 +19,7 @@ from dream_trainer.parallel.pipeline import (PipelineStages, describe_stage, spl
                                              stage_ids, tied_names)
 from dream_trainer.parallel.pipeline_schedule import PipelineRunner
 from dream_trainer.parallel.stage_init import materialize_stages
+from dream_trainer.world.dims import ParallelDims
 from tests.helpers.toy import ToyTrainer, toy_config
 from tests.helpers.transformer import TinyTransformer
 
@@ -42,7 +43,7 @@ def meta_transformer(layers: int) -> nn.Module:
 def test_stage_ids_follow_the_schedules_placement(schedule: str, size: int, rank: int,
                                                   expected: list[int]) -> None:
     params = DeviceParameters(pipeline_parallel=size, pipeline_schedule=schedule)
-    assert stage_ids(rank, size, params) == expected
+    assert stage_ids(rank, ParallelDims.resolve(params, world_size=size)) == expected
 
 
 def test_the_default_split_keeps_every_name_and_sets_other_stages_to_none() -> None:

@@ -39,12 +39,13 @@ ATOL = 1e-6
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     out = tmp_path_factory.mktemp("pipeline")
     check(subprocess.run([sys.executable, str(SCRIPT), str(out / "one.pt"), "single",
-                          "single_drawn_init"],
+                          "single_drawn_init", "staged_single"],
                          env=child_env(), cwd=REPO, capture_output=True, text=True,
                          timeout=300))
     # naive_scale_grads patches torch for the rest of its process: it runs last.
     check(torchrun(SCRIPT, [str(out / "two.pt"), *SCHEDULES, "tp2_loss_parallel",
-                            "1F1B_drawn_init", "backward_error", "naive_scale_grads"],
+                            "1F1B_drawn_init", "staged_fsdp2", "staged_1F1B",
+                            "backward_error", "naive_scale_grads"],
                    nproc=2, timeout=400))
     check(torchrun(SCRIPT, [str(out / "four.pt"), "pp2_fsdp2", "pp2_tp2",
                             "pp2_tp2_loss_parallel", "ddp_error"], nproc=4, timeout=400))
@@ -175,3 +176,20 @@ def test_ddp_replicas_of_stages_are_refused_once_resolved(results: dict[str, Any
     assert error is not None and "pipeline_parallel=2 with dp_replicate=2 would wrap" in error
     assert "dp_replicate=1 and dp_shard='auto'" in error
     assert error.endswith("(dp_replicate='auto' is 2 on 4 ranks)")  # by ParallelDims.resolve
+
+
+def test_a_users_stages_run_in_order_at_their_points_in_every_layout(
+        results: dict[str, Any]) -> None:
+    one_step = ["pre_optimizer_step", "after_backward", "vote", "after_update",
+                "post_optimizer_step"]
+    staged = results["staged_single"]
+    assert staged["events"] == one_step * 3
+    # The gradients the stage changed are the ones measured, clipped and applied ...
+    assert weight_error(staged, results["single"]) > 100 * ATOL
+    assert max(abs(a - b) for a, b in zip(staged["grad_norms"],
+                                          results["single"]["grad_norms"])) > 1e-4
+    # ... in one process, under FSDP2 and under a pipeline alike.
+    for mode in ("staged_fsdp2", "staged_1F1B"):
+        assert results[mode]["events"] == one_step * 3, mode
+        assert_matches(results[mode], staged, same_data=mode == "staged_1F1B")
+

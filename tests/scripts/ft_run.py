@@ -112,6 +112,7 @@ class Steps(Callback[BaseTrainer]):
             if isinstance(trainer, FaultTolerantMixin):
                 entry.update(committed=trainer.last_step_committed,
                              committed_steps=trainer.committed_steps,
+                             not_committed=trainer.update_vote.skipped.get("fault_tolerance", 0),
                              participants=trainer.replica_participants,
                              recoveries=trainer.recoveries)
             with self.record.open("a") as file:

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from dream_trainer.callbacks import Throughput
 from dream_trainer.configs import DeviceParameters
 from dream_trainer.mixins import EvalMixin
+from dream_trainer.parallel.dtensor import local_tensor
 from tests.helpers.launch import save_on_rank_zero
 from tests.helpers.transformer import (VOCAB, StepAPITrainer, next_token_loss,
                                        transformer_config)
@@ -53,6 +54,11 @@ MODES: dict[str, tuple[DeviceParameters, int]] = {
     "single_drawn_init": (DeviceParameters.SINGLE_DEVICE(), 1),
     "1F1B_drawn_init": (DeviceParameters(dp_replicate=1, pipeline_parallel=2,
                                          pipeline_schedule="1F1B"), 1),
+    # A user's stages at the step's points (Staged), in one process, FSDP2 and a pipeline.
+    "staged_single": (DeviceParameters.SINGLE_DEVICE(), 1),
+    "staged_fsdp2": (DeviceParameters(dp_replicate=1, dp_shard=2), 2),
+    "staged_1F1B": (DeviceParameters(dp_replicate=1, pipeline_parallel=2,
+                                     pipeline_schedule="1F1B"), 1),
 }
 
 
@@ -177,6 +183,47 @@ class DrawnInit(Recording):
                     module.weight.normal_()
 
 
+class Staged(Recording):
+    """A user's mixin at the step's points: after backward it adds 0.01 to every gradient
+    (elementwise, so the same in every layout; the norm and clipping that follow see it), a
+    voter that lets every update through, and after the update a record; every stage and
+    hook appends its name to ``events``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.events: list[str] = []
+        self.step_points.add("after_backward", "noise", self.noise)
+        self.update_vote.add("user", self.vote)
+        self.step_points.add("after_update", "record", self.record)
+
+    def pre_optimizer_step(self, model: Any, optimizer: Any) -> None:
+        super().pre_optimizer_step(model, optimizer)
+        self.events.append("pre_optimizer_step")
+
+    def noise(self, model: torch.nn.Module, optimizer: Any) -> None:
+        self.events.append("after_backward")
+        self.before_update = [local_tensor(p).detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.add_(0.01)
+
+    def vote(self, model: torch.nn.Module, optimizer: Any) -> bool:
+        self.events.append("vote")
+        return True
+
+    def record(self, model: torch.nn.Module, optimizer: Any) -> None:
+        # The update happened (the weights moved), and the gradients are not zeroed yet.
+        after = [local_tensor(p).detach() for p in model.parameters()]
+        assert any(not torch.equal(a, b) for a, b in zip(after, self.before_update))
+        assert any(p.grad is not None for p in model.parameters())
+        self.events.append("after_update")
+
+    def post_optimizer_step(self, model: Any, optimizer: Any) -> None:
+        super().post_optimizer_step(model, optimizer)
+        self.events.append("post_optimizer_step")
+
+
 class BackwardUnderPipeline(Recording):
     """Calls backward() as a plain training step would."""
 
@@ -224,7 +271,8 @@ def run(mode: str) -> dict[str, Any]:
                                 gradient_accumulation_steps=ACCUMULATION,
                                 gradient_clip_val=CLIP)
     trainer_class = VocabShardedHead if params.loss_parallel else \
-        DrawnInit if mode.endswith("_drawn_init") else Recording
+        DrawnInit if mode.endswith("_drawn_init") else \
+        Staged if mode.startswith("staged_") else Recording
     trainer = trainer_class(config.model_copy(update={"n_layers": 4}))
     throughput = Throughput(window=1)
     trainer.callbacks.append(throughput)
@@ -240,7 +288,8 @@ def run(mode: str) -> dict[str, Any]:
             "model_type": type(trainer.model).__name__,
             "training_step": type(trainer).training_step.__qualname__,
             "logit_placements": trainer.logit_placements,
-            "throughput": throughput.latest if trainer.world.is_rank_zero else None}
+            "throughput": throughput.latest if trainer.world.is_rank_zero else None,
+            "events": getattr(trainer, "events", None)}
 
 
 def ddp_error() -> dict[str, Any]:

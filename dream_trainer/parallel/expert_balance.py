@@ -1,0 +1,40 @@
+"""The step's ``after_update`` action of mixture-of-experts models: every ``MoE`` layer moves
+its balancing bias by the whole step's expert load."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from dream_trainer.nn.moe import MoE, moe_layers
+
+
+class ExpertBalancing:
+    """``ExpertBalancing(dp_group)(model, optimizer)`` updates the bias of each ``MoE`` layer of
+    ``model`` by the load of every micro-batch on every data-parallel rank (one process's
+    batch); a model without such layers costs a dictionary lookup.
+
+    Args:
+        dp_group: Returns the data-parallel process group (None on one rank) when the step
+            runs.
+    """
+
+    def __init__(self, dp_group: Callable[[], Any | None]) -> None:
+        self.dp_group = dp_group
+        # Each model's layers are found once, not by walking every module at every step.
+        self._layers: weakref.WeakKeyDictionary[nn.Module, list[MoE]] = \
+            weakref.WeakKeyDictionary()
+
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        layers = self._layers.get(model)
+        if layers is None:
+            layers = self._layers[model] = list(moe_layers(model))
+        if not layers:
+            return
+        group = self.dp_group()
+        for layer in layers:
+            layer.update_bias(group)
