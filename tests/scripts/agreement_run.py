@@ -1,9 +1,14 @@
 """torchrun script: every function of dream_trainer.world.agree, and the world's group
-helpers, on real ranks. Each rank prints one line ``rank <R> <json>`` of what it saw."""
+helpers, on real ranks. Each rank writes what it saw to OUT/rank<R>.json (a file each:
+two ranks printing to one pipe can interleave their lines).
+
+Usage: agreement_run.py OUT"""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,6 +48,6 @@ if __name__ == "__main__":
         }
         barrier(alone)
         barrier()
-        print(f"rank {rank} {json.dumps(seen)}", flush=True)
+        (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(seen))
     finally:
         world.shutdown()
