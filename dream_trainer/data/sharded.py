@@ -193,7 +193,8 @@ class ShardedStream(IterableDataset[Any]):
         self.transform = transform
         self.lengths = None if sequence_length is None \
             else length_index(source, tokens, lengths, index_cache)
-        if self.lengths is not None and int(self.lengths.sum()) == 0:
+        self.total_tokens = 0 if self.lengths is None else int(self.lengths.sum())
+        if self.lengths is not None and self.total_tokens == 0:
             raise ValueError("the source has no tokens to pack: every item's token count "
                              "is 0")
         self.num_replicas, self.rank, self.batch_size = 1, 0, 1
@@ -282,7 +283,7 @@ class _Samples:
     def __init__(self, stream: ShardedStream) -> None:
         self.stream = stream
         self.size = len(stream.source)
-        self.total = 0 if stream.lengths is None else int(stream.lengths.sum())
+        self.total = stream.total_tokens
         self.pass_index: int | None = None
         self.order = self.ends = torch.empty(0, dtype=torch.int64)
         self.document: tuple[int, list[int]] | None = None  # item index, its tokens

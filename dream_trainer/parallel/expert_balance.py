@@ -4,7 +4,7 @@ its balancing bias by the whole step's expert load."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -16,12 +16,21 @@ from dream_trainer.nn.moe import MoE, moe_layers
 class ExpertBalancing:
     """``ExpertBalancing(dp_group)(model, optimizer)`` updates the bias of each ``MoE`` layer of
     ``model`` by the load of every micro-batch on every data-parallel rank (one process's
-    batch); a model without such layers costs a dictionary lookup.
+    batch); added to the step only when a model has such layers (``of``).
 
     Args:
         dp_group: Returns the data-parallel process group (None on one rank) when the step
             runs.
     """
+
+    @classmethod
+    def of(cls, models: Iterable[nn.Module],
+           dp_group: Callable[[], Any | None]) -> ExpertBalancing | None:
+        """The action for ``models``, or None when none of them has an ``MoE`` layer (the
+        step then does nothing for experts)."""
+        if not any(next(moe_layers(model), None) is not None for model in models):
+            return None
+        return cls(dp_group)
 
     def __init__(self, dp_group: Callable[[], Any | None]) -> None:
         self.dp_group = dp_group

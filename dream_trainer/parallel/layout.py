@@ -180,6 +180,10 @@ class Layout:
         return _local_passes(self.data_parallel, list(models))
 
     # -- gradients -------------------------------------------------------------------------
+    def register_steps(self, points: Any) -> None:
+        """Add this layout's actions to the optimizer step (``StepPoints``): none here, so a
+        layout that leaves no gradient partial costs the step nothing."""
+
     def reduce_gradients(self, model: nn.Module) -> None:
         """Complete the gradients the layout leaves partial, before they are measured and
         applied (the step's ``after_backward`` point); none here."""
@@ -343,6 +347,11 @@ class PipelineLayout(Layout):
                            "the schedule's passes are collective")
 
     # -- gradients -------------------------------------------------------------------------
+    def register_steps(self, points: Any) -> None:
+        """Sum tied weights' gradients at the step's ``after_backward`` point."""
+        points.add("after_backward", "tied_weights",
+                   lambda model, optimizer: self.reduce_gradients(model))
+
     def reduce_gradients(self, model: nn.Module) -> None:
         """Sum the gradients of each weight tied across stages into every copy
         (``PipelineStages.reduce_tied_gradients``)."""

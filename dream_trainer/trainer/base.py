@@ -7,18 +7,16 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from pydantic import Field, model_validator
-
-from dream_trainer.configs.device import fixed_pipeline_microbatches
-from dream_trainer.configs.training import TrainingParameters, pipeline_batch_problem
+from dream_trainer.configs.training import TrainingParameters
 from dream_trainer.data.batch import move_to_device
 from dream_trainer.data.loaders import has_resumable_sampler, numbered_batches
 from dream_trainer.data.stream import TrainBatches
 from dream_trainer.parallel.data_parallel import DataParallelBackend, backend_for
 from dream_trainer.parallel.layout import Layout
 from dream_trainer.parallel.precision import Precision
-from dream_trainer.trainer.abstract import AbstractTrainerConfig, StopTraining
+from dream_trainer.trainer.abstract import StopTraining
 from dream_trainer.trainer.callback_collection import CallbackCollection
+from dream_trainer.trainer.config import BaseTrainerConfig
 from dream_trainer.trainer.epoch_plan import plan_train_steps
 from dream_trainer.trainer.item_weighting import ItemWeighting
 from dream_trainer.trainer.loop_state import LoopState
@@ -32,25 +30,6 @@ from dream_trainer.world.materialization import Materialization
 from dream_trainer.world.world import DistributedWorld
 
 logger = logging.getLogger(__name__)
-
-
-class BaseTrainerConfig(AbstractTrainerConfig):
-    """Adds the training schedule and the callbacks to the run identity."""
-
-    training_parameters: TrainingParameters
-    """Epochs, batch sizes, accumulation, validation cadence, clipping."""
-    callbacks: CallbackCollection = Field(default_factory=CallbackCollection)
-    """Callbacks whose hooks run during ``fit()``, in this order."""
-
-    @model_validator(mode="after")
-    def _check_pipeline_batches(self) -> BaseTrainerConfig:
-        # Batch sizes live apart from the pipeline settings, so their fit is checked here; a
-        # degree of "auto" is checked by the same rule once resolved, at setup.
-        microbatches = fixed_pipeline_microbatches(self.device_parameters)
-        problem = pipeline_batch_problem(self.training_parameters, microbatches)
-        if problem is not None:
-            raise ValueError(problem)
-        return self
 
 
 class BaseTrainer(StepAPI, ValidationLoop, LoopState):
@@ -205,6 +184,7 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
     def _setup(self) -> None:
         self._fire("pre_setup")
         self.build_training()
+        self._declare_model_stages()
         self._train_steps_per_epoch = plan_train_steps(self.train_dataloader,
                                                        self.training_parameters, self.world)
         self._train_batches = TrainBatches(self.train_dataloader, self._samples_per_batch)

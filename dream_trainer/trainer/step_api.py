@@ -190,17 +190,23 @@ class StepAPI(AbstractTrainer):
         return grad_norm
 
     def _declare_step_stages(self) -> None:
-        """The step's own actions and voters (a mixin or callback adds its own the same way:
+        """The step's own actions and voters, only those the run needs, so that what is off
+        costs nothing per step (a mixin or callback adds its own the same way:
         ``step_points.add``, ``update_vote.add`` / ``veto``)."""
         self.step_points = StepPoints()
         self.update_vote = UpdateVote()
-        self.step_points.add("after_backward", "layout",
-                             lambda model, optimizer: self.layout.reduce_gradients(model))
-        self.step_points.add("after_update", "expert_balance",
-                             ExpertBalancing(lambda: self.world.dp_group))
+        self.layout.register_steps(self.step_points)
         if self.precision.scaler is not None:
             self.update_vote.add("float16_overflow",
                                  lambda model, optimizer: not self.precision.overflowed(optimizer))
+
+    def _declare_model_stages(self) -> None:
+        """The actions the built models need: the balancing bias of mixture-of-experts
+        layers, moved after each update."""
+        balancing = ExpertBalancing.of(self.named_models().values(),
+                                       lambda: self.world.dp_group)
+        if balancing is not None and "expert_balance" not in self.step_points.after_update:
+            self.step_points.add("after_update", "expert_balance", balancing)
 
     def _normalize_items(self, model: nn.Module) -> None:
         if self.item_weighting.active:

@@ -63,7 +63,8 @@ class StepPoints:
         actions[name] = action
 
     def run(self, point: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        for action in self._at(point).values():
+        actions: dict[str, StepAction] = getattr(self, point)  # step() names a known point
+        for action in actions.values():
             action(model, optimizer)
 
     def _at(self, point: str) -> dict[str, StepAction]:
@@ -105,6 +106,8 @@ class UpdateVote:
     def decide(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
         """Ask every voter (all of them: a vote may be a collective); True when the update of
         global step ``step`` (the one being taken) happens."""
+        if not self.voters and not self._vetoes:
+            return True  # nobody votes: the common case costs nothing
         against, self._vetoes = self._vetoes, []
         for cause, voter in self.voters.items():
             if not voter(model, optimizer) and cause not in against:
