@@ -148,9 +148,9 @@ def degree_problem(params: DeviceParameters, degrees: Mapping[str, Degree]) -> s
         degrees: A degree (or ``"auto"``) for each of ``dp_replicate``, ``dp_shard``,
             ``context_parallel``, ``tensor_parallel`` and ``pipeline_parallel``.
     """
-    pp, dp_replicate, dp_shard, tp = (degrees[name] for name in (
-        "pipeline_parallel", "dp_replicate", "dp_shard", "tensor_parallel"))
-    if params.cpu_offload and dp_shard == 1:
+    pp, dp_replicate, dp_shard, cp, tp = (degrees[name] for name in (
+        "pipeline_parallel", "dp_replicate", "dp_shard", "context_parallel", "tensor_parallel"))
+    if params.cpu_offload and dp_shard == 1 and cp == 1:
         return ("cpu_offload=True needs FSDP2 sharding: set dp_shard > 1 (or 'auto'), or turn "
                 "cpu_offload off")
     if params.loss_parallel and tp == 1:
@@ -162,7 +162,7 @@ def degree_problem(params: DeviceParameters, degrees: Mapping[str, Degree]) -> s
             # stages would drift apart.
             return ("pipeline_parallel > 1 cannot run with param_dtype=float16 (its gradient "
                     "scaler would skip steps stage by stage): use bfloat16")
-        if isinstance(dp_replicate, int) and dp_replicate > 1 and dp_shard == 1:
+        if isinstance(dp_replicate, int) and dp_replicate > 1 and dp_shard == 1 and cp == 1:
             return ddp_pipeline_problem(pp, dp_replicate)
         problem = pipeline_problem(params.pipeline_schedule, pp, *pipeline_layout(params, pp))
         if problem is not None:
@@ -171,7 +171,7 @@ def degree_problem(params: DeviceParameters, degrees: Mapping[str, Degree]) -> s
     if ep == 1:
         return None
     unsupported = [f"{name}={degrees[name]!r}" for name in
-                   ("tensor_parallel", "pipeline_parallel", "dp_replicate")
+                   ("tensor_parallel", "pipeline_parallel", "dp_replicate", "context_parallel")
                    if isinstance(degrees[name], int) and degrees[name] != 1]
     if unsupported:
         return (f"expert_parallel={ep} with {', '.join(unsupported)} is not supported yet: set "
@@ -200,7 +200,18 @@ class DeviceParameters(ConfigModel):
     ``pipeline_parallel > 1`` (or ``expert_parallel > 1``), it is ``"auto"``: a pipeline's
     spare ranks shard its stages."""
     context_parallel: Degree = 1
-    """Context-parallel degree (not supported yet: must be 1)."""
+    """Context-parallel degree: each sequence is split over this many ranks along
+    ``context_parallel_seq_dim``, and attention gathers the keys and values of the whole
+    sequence from them (see the parallelism guide). The ranks hold the same weights, which
+    FSDP2 shards over ``dp_shard`` x ``context_parallel``. A batch's sequence length must
+    divide into ``2 x context_parallel`` chunks (``context_parallel`` without load balancing)."""
+    context_parallel_seq_dim: int = 1
+    """The sequence dimension of every tensor input and target that ``forward_backward`` and
+    ``forward_loss`` split under ``context_parallel > 1`` (1 for ``[batch, sequence, ...]``)."""
+    context_parallel_load_balance: bool = True
+    """Give each context-parallel rank one chunk from the head of the sequence and one from
+    the tail, so that under causal attention every rank has the same work; ``False`` gives
+    rank r the r-th contiguous chunk."""
     tensor_parallel: Degree = 1
     """Tensor-parallel degree."""
     pipeline_parallel: Degree = 1
@@ -302,9 +313,6 @@ class DeviceParameters(ConfigModel):
                 f"{' and '.join(autos)} are each 'auto': at most one mesh degree can be 'auto'; "
                 "give the others explicit sizes"
             )
-        if self.context_parallel != 1:
-            raise ValueError(f"context_parallel={self.context_parallel!r} is not supported yet: "
-                             "set context_parallel=1")
         if self.init_timeout <= timedelta(0) or self.train_timeout <= timedelta(0):
             raise ValueError("init_timeout and train_timeout must be positive durations")
         problem = degree_problem(self, {name: getattr(self, name) for name in _DEGREE_FIELDS})

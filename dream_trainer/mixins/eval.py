@@ -68,12 +68,13 @@ class EvalMixin(AbstractTrainer):
     def _reset_metrics(self) -> None:
         # The group is looked up for every pass: an evaluation after fit() runs in a process
         # group started for it, and a metric holding fit()'s destroyed group could not sync.
-        mesh = self.world.dp_mesh
+        mesh = self.world.batch_mesh
         for metric in self.named_metrics().values():
             metric.reset()
             for leaf in _leaves(metric):
-                # Tensor-parallel ranks see the same samples: sync over data parallel only,
-                # and not at all when there is a single data-parallel rank.
+                # Tensor-parallel ranks see the same samples: sync over the ranks holding
+                # different items (data, and context parallel's sequence parts) only, and
+                # not at all when there is a single such rank.
                 leaf.process_group = None if mesh is None else mesh.get_group()
                 leaf.sync_on_compute = mesh is not None
                 if mesh is None:

@@ -81,6 +81,16 @@ class ParallelizeModels(AbstractTrainer):
                              f"{type(self).__name__}.apply_expert_parallel(ep_mesh) for your "
                              "own mixture-of-experts module")
 
+    def context_parallel_buffers(self) -> dict[str, int]:
+        """The position buffers to cut with the sequence under ``context_parallel > 1``, as
+        ``{"<model attribute>.<module path>.<buffer>": sequence_dim}``: tables indexed by
+        position (a rotary ``freqs`` of ``[max_len, head_dim]`` is ``{"model.rope.freqs":
+        0}``), which inside a step hold only this rank's positions, in its order, so that
+        a model reading ``table[:seq_len]`` gets the rows of the positions it holds. Models
+        that take positions as an input need none. The default names none.
+        """
+        return {}
+
     def apply_activation_checkpointing(self) -> None:
         """Recompute each block's activations in backward (see ``find_blocks``).
 
@@ -145,7 +155,7 @@ class ParallelizeModels(AbstractTrainer):
             self.apply_activation_checkpointing()
         if params.compile_model:
             self.apply_compile()
-        if dims.dp_shard > 1:
+        if dims.fsdp > 1:
             config = self._fully_shard_config()
             self.layout.experts.fully_shard(self.named_models().values(), config)
             self.apply_fully_shard(config)
@@ -155,7 +165,7 @@ class ParallelizeModels(AbstractTrainer):
         meta device, before any other parallelism, which then shards the float8 modules)."""
         params, dims = self.config.device_parameters, self.world.dims
         # torchao all-gathers float8 weights with tensorwise scales only.
-        all_gather = params.float8_recipe == "tensorwise" and dims.dp_shard > 1
+        all_gather = params.float8_recipe == "tensorwise" and dims.fsdp > 1
         for name, model in self.named_models().items():
             converted = convert_to_float8(model, params.float8_recipe, params.float8_filter,
                                           self.world.device, all_gather)

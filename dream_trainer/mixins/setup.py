@@ -247,6 +247,7 @@ class SetupMixin(ParallelizeModels):
         """Parallelize, materialize and wrap the models (as the layout does: split into
         stages under a pipeline); then optimizers, schedulers, data."""
         self.layout.build_models(self)
+        self.layout.context.bind(self.context_parallel_buffers(), self.named_models())
         self._setup_optimizers()
         self._setup_schedulers()
         self._setup_dataloaders()

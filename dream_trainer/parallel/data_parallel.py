@@ -130,7 +130,7 @@ def _without_sync(model: DistributedDataParallel) -> Iterator[None]:
 
 def backend_for(dims: ParallelDims) -> DataParallelBackend:
     """The backend that matches the resolved mesh degrees."""
-    if dims.dp_shard > 1:
+    if dims.fsdp > 1:
         return FSDPBackend()
     if dims.dp_replicate > 1:
         return DDPBackend()

@@ -5,8 +5,8 @@ which layout they are in.
 ``Layout.resolve`` picks it once per trainer from the resolved degrees (``world.dims``):
 ``Layout`` runs each model whole on every rank (one process, DDP, FSDP2, tensor
 parallelism); ``PipelineLayout`` splits the one model into stages that the schedule runs.
-Expert parallelism composes with either, so it is a part of the layout (``Experts``) rather
-than a kind of it.
+Expert and context parallelism compose with either, so they are parts of the layout
+(``Experts``, ``Context``) rather than kinds of it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dream_trainer.configs.training import TrainingParameters, pipeline_batch_problem
 from dream_trainer.data.loaders import pipeline_split_problem
+from dream_trainer.parallel.context import Context, ContextParallel
 from dream_trainer.parallel.data_parallel import DataParallelBackend
 from dream_trainer.parallel.dtensor import full_value
 from dream_trainer.parallel.experts import fully_shard_experts
@@ -115,6 +116,10 @@ class Layout:
         self.world = world
         self.data_parallel = data_parallel
         self.experts: Experts = ExpertParallel(world) if world.dims.ep > 1 else Experts()
+        params = world.device_parameters
+        self.context: Context = ContextParallel(
+            world, params.context_parallel_seq_dim, params.context_parallel_load_balance) \
+            if world.dims.cp > 1 else Context()
 
     @staticmethod
     def resolve(world: DistributedWorld, data_parallel: DataParallelBackend) -> Layout:
@@ -137,7 +142,7 @@ class Layout:
             builder._materialize_models()
         dims = self.world.dims
         # DDP needs real tensors: it broadcasts rank 0's weights when it wraps the model.
-        if dims.dp_replicate > 1 and dims.dp_shard == 1:
+        if dims.dp_replicate > 1 and dims.fsdp == 1:
             builder.apply_replicate(_mesh(self.world, MeshAxis.DP_REPLICATE))
 
     def check_batches(self, params: TrainingParameters,
@@ -161,14 +166,18 @@ class Layout:
                 multiplied by, for a layout that backpropagates itself.
             sum_losses: Whether ``loss_fn`` returns a sum (``num_items`` was given).
         """
-        loss = loss_fn(model(*inputs), target)
-        backward(loss)
-        return full_value(loss.detach())  # a DTensor under loss_parallel
+        with self.context.split((*inputs, target)) as (*inputs, target):
+            loss = loss_fn(model(*inputs), target)
+            backward(loss)
+        # A DTensor under loss_parallel; this rank's part of the sequences under cp.
+        return self.context.whole_loss(full_value(loss.detach()), sum_losses)
 
     def forward_loss(self, model: nn.Module, inputs: tuple[Any, ...], target: Any,
                      loss_fn: LossFn, sum_losses: bool) -> torch.Tensor:
         """``forward_backward`` without the backward (``StepAPI.forward_loss``)."""
-        return full_value(loss_fn(model(*inputs), target).detach())
+        with self.context.split((*inputs, target)) as (*inputs, target):
+            loss = full_value(loss_fn(model(*inputs), target).detach())
+        return self.context.whole_loss(loss, sum_losses)
 
     def local_pass(self, models: Iterable[nn.Module]) -> contextlib.AbstractContextManager[None]:
         """A context in which the models' forward and backward run on this rank alone, for a
@@ -336,11 +345,15 @@ class PipelineLayout(Layout):
         """Run the micro-batch through the schedule: the inputs feed the first stage and the
         target the last, each split into ``pipeline_microbatches``; the loss is the mean of
         the microbatch losses (their sum with ``sum_losses``), on every rank."""
-        return _held(model).run(inputs, target, loss_fn, loss_scale(), sum_losses)
+        with self.context.split((*inputs, target)) as (*inputs, target):
+            loss = _held(model).run(tuple(inputs), target, loss_fn, loss_scale(), sum_losses)
+        return self.context.whole_loss(loss, sum_losses)
 
     def forward_loss(self, model: nn.Module, inputs: tuple[Any, ...], target: Any,
                      loss_fn: LossFn, sum_losses: bool) -> torch.Tensor:
-        return _held(model).run(inputs, target, loss_fn, None, sum_losses)
+        with self.context.split((*inputs, target)) as (*inputs, target):
+            loss = _held(model).run(tuple(inputs), target, loss_fn, None, sum_losses)
+        return self.context.whole_loss(loss, sum_losses)
 
     def local_pass(self, models: Iterable[nn.Module]) -> contextlib.AbstractContextManager[None]:
         raise RuntimeError("a pass cannot run on one rank alone under pipeline_parallel > 1: "

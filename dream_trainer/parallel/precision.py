@@ -22,10 +22,10 @@ class Precision:
                  device: torch.device) -> None:
         low = params.param_dtype != torch.float32
         self.device_type = device.type
-        self.autocast_dtype = params.param_dtype if low and dims.dp_shard == 1 else None
+        self.autocast_dtype = params.param_dtype if low and dims.fsdp == 1 else None
         self.scaler: torch.amp.GradScaler | None = None
         if params.param_dtype == torch.float16:
-            if dims.dp_shard > 1:
+            if dims.fsdp > 1:
                 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
                 self.scaler = ShardedGradScaler(device.type)

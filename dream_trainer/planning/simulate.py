@@ -151,7 +151,7 @@ def _measure(trainer: BaseTrainer,
         "callbacks": CallbackCollection(),
         "device_parameters": device.model_copy(update={"compile_model": False})}))
     dims = trainer.world.dims
-    if dims.dp_replicate > 1 and dims.dp_shard == 1:
+    if dims.dp_replicate > 1 and dims.fsdp == 1:
         raise NotImplementedError(
             f"plan cannot simulate DDP (dp_replicate={dims.dp_replicate} without dp_shard): "
             "DDP's C++ reducer needs real gradient buffers, which on one CPU would hold the "

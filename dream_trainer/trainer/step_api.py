@@ -211,7 +211,7 @@ class StepAPI(AbstractTrainer):
     def _normalize_items(self, model: nn.Module) -> None:
         if self.item_weighting.active:
             self.item_weighting.scale_gradients(model.parameters(), self.world.dp_group,
-                                                self.world.dp_size)
+                                                self.world.gradient_ranks)
 
     def _clip(self, model: nn.Module) -> torch.Tensor:
         return self.layout.clip_grad_norm(model, self.training_parameters.gradient_clip_val)

@@ -30,6 +30,12 @@ class MeshAxis(str, Enum):
     EP = "ep"
     """With expert parallelism, dp_shard's inner part: the ranks the experts are split over.
     dp_shard is then the flattened efsdp x ep view."""
+    DP_CP = "dp_cp"
+    """Flattened dp_replicate x dp_shard x cp view, present when cp > 1: every rank that
+    holds a different part of a batch's items, over which metrics are gathered."""
+    DP_SHARD_CP = "dp_shard_cp"
+    """Flattened dp_shard x cp view, present when cp > 1: context-parallel ranks hold the same
+    weights, so FSDP2 shards them over both axes (as torchtitan does)."""
 
     def __str__(self) -> str:
         return self.value
@@ -122,6 +128,13 @@ class ParallelDims:
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def fsdp(self) -> int:
+        """The ranks FSDP2 shards each parameter over: ``dp_shard`` x ``cp``. Context-parallel
+        ranks train the same weights on different parts of each sequence, so they shard the
+        weights and reduce the gradients with the data-parallel shards."""
+        return self.dp_shard * self.cp
 
     @property
     def efsdp(self) -> int:

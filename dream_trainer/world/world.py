@@ -136,15 +136,30 @@ class DistributedWorld:
         return _group_of(self.dp_mesh)
 
     @property
+    def batch_mesh(self) -> DeviceMesh | None:
+        """The mesh over every rank that holds a different part of a batch's items: the
+        data-parallel ranks, times the context-parallel ranks (each holding part of every
+        sequence); metrics are gathered over it. None when there is one such rank."""
+        return self.get_mesh(MeshAxis.DP_CP) if self.dims.cp > 1 else self.dp_mesh
+
+    @property
     def fsdp_mesh(self) -> DeviceMesh | None:
-        """The mesh FSDP2 shards over: dp_shard, or (dp_replicate, dp_shard) for HSDP."""
-        if self.mesh is None or self.dims.dp_shard == 1:
+        """The mesh FSDP2 shards over: dp_shard (dp_shard x cp with context parallelism), or
+        (dp_replicate, that) for HSDP."""
+        if self.mesh is None or self.dims.fsdp == 1:
             return None
         if self.dims.ep > 1:
             return self._flat_meshes[MeshAxis.DP_SHARD]
+        shard = MeshAxis.DP_SHARD_CP if self.dims.cp > 1 else MeshAxis.DP_SHARD
         if self.dims.dp_replicate > 1:
-            return self.mesh[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]
-        return self.mesh[MeshAxis.DP_SHARD.value]
+            return self.mesh[(MeshAxis.DP_REPLICATE.value, shard.value)]
+        return self.get_mesh(shard)
+
+    @property
+    def gradient_ranks(self) -> int:
+        """How many ranks' gradients the reduction averages: the data-parallel ranks times
+        the context-parallel ranks, each of which holds part of every sequence."""
+        return self.dims.dp * self.dims.cp
 
     @property
     def dp_size(self) -> int:
@@ -235,6 +250,11 @@ class DistributedWorld:
         if self.dims.dp_replicate > 1 and self.dims.dp_shard > 1:
             dp = self.mesh[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]
             self._flat_meshes[MeshAxis.DP] = dp._flatten(MeshAxis.DP.value)
+        if self.dims.cp > 1:
+            # Registered on the root mesh even when dp_shard is 1 (then it is cp itself), so
+            # that HSDP can slice (dp_replicate, dp_shard_cp).
+            self._flatten(MeshAxis.DP_SHARD_CP, (MeshAxis.DP_SHARD, MeshAxis.CP))
+            self._flatten(MeshAxis.DP_CP, (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD, MeshAxis.CP))
         if self.dims.dp_shard > 1 and self.dims.tp > 1:
             # Parameters and gradients of FSDP2 x TP are sharded over both axes: with a
             # flattened mesh registered, DTensor gathers and reduces them (the gradient norm,
@@ -242,6 +262,12 @@ class DistributedWorld:
             shard_tp = self.mesh[(MeshAxis.DP_SHARD.value, MeshAxis.TP.value)]
             self._flat_meshes[MeshAxis.DP_SHARD_TP] = shard_tp._flatten(
                 MeshAxis.DP_SHARD_TP.value)
+
+    def _flatten(self, view: MeshAxis, axes: tuple[MeshAxis, ...]) -> None:
+        """Register ``view``, the flattened mesh of those of ``axes`` that exist."""
+        assert self.mesh is not None
+        present = tuple(axis.value for axis in axes if axis.value in self.mesh.mesh_dim_names)
+        self._flat_meshes[view] = self.mesh[present]._flatten(view.value)
 
     def seed(self, seed: int | None) -> None:
         """Seed python, numpy and torch (every device) with the same seed on every rank.

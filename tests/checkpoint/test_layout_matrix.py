@@ -1,9 +1,10 @@
 """A checkpoint written under any layout resumes under others, on 1, 2 or 4 ranks.
 
-Eight layouts (one process; DDP, FSDP2, TP and a 2-stage pipeline on 2 ranks; HSDP, FSDP2 x
-TP and a pipeline of FSDP2 stages on 4) train the tiny transformer and checkpoint at step 2;
-each checkpoint is resumed under two other layouts, changing the number of processes from 1 to
-2 and 4, from 2 to 1 and 4, and from 4 to 2 and 1, and trained to step 4. Three torchrun
+Nine layouts (one process; DDP, FSDP2, TP, a 2-stage pipeline and context parallelism on 2
+ranks; HSDP, FSDP2 x TP and a pipeline of FSDP2 stages on 4) train the tiny transformer and
+checkpoint at step 2; each checkpoint is resumed under two other layouts, changing the number
+of processes from 1 to 2 and 4, from 2 to 1 and 4, and from 4 to 2 and 1, and trained to step
+4. Three torchrun
 launches run them all, and the one-process jobs run in this process, before and after them
 (see ``LAUNCHES`` and tests/scripts/layout_matrix.py).
 
@@ -36,13 +37,13 @@ ATOL = 1e-6
 LAUNCHES: list[tuple[int, list[str]]] = [
     # (processes, jobs), in order: a job resumes only checkpoints written before it.
     (1, ["save:single"]),
-    (2, ["save:ddp", "save:fsdp", "save:tp", "save:pp",
-         "resume:single:ddp", "resume:fsdp:tp", "resume:tp:fsdp"]),
+    (2, ["save:ddp", "save:fsdp", "save:tp", "save:pp", "save:cp",
+         "resume:single:ddp", "resume:fsdp:tp", "resume:tp:fsdp", "resume:single:cp"]),
     (4, ["save:hsdp", "save:fsdp_tp", "save:pp_fsdp",
          "resume:single:fsdp_tp", "resume:ddp:hsdp", "resume:pp:pp_fsdp"]),
-    (2, ["resume:hsdp:fsdp", "resume:fsdp_tp:pp", "resume:pp_fsdp:ddp"]),
+    (2, ["resume:hsdp:fsdp", "resume:fsdp_tp:pp", "resume:pp_fsdp:ddp", "resume:cp:fsdp"]),
     (1, [f"resume:{source}:single"
-         for source in ("ddp", "fsdp", "tp", "pp", "hsdp", "fsdp_tp", "pp_fsdp")]),
+         for source in ("ddp", "fsdp", "tp", "pp", "hsdp", "fsdp_tp", "pp_fsdp", "cp")]),
 ]
 RESUMES = [tuple(job.split(":")[1:]) for _, jobs in LAUNCHES for job in jobs
            if job.startswith("resume:")]

@@ -49,6 +49,7 @@ LAYOUTS: dict[str, tuple[DeviceParameters, int, int]] = {
     "hsdp": (DeviceParameters.HSDP(dp_shard=2), 4, 4),
     "fsdp_tp": (DeviceParameters(dp_shard=2, tensor_parallel=2), 2, 4),
     "pp_fsdp": (DeviceParameters(dp_replicate=1, pipeline_parallel=2, dp_shard=2), 2, 4),
+    "cp": (DeviceParameters(dp_replicate=1, context_parallel=2), 1, 2),
 }
 
 

@@ -1,0 +1,332 @@
+"""Context parallelism: each sequence split over the ``cp`` ranks, attention over all of it.
+
+Every tensor input and target is cut along the sequence dimension into ``2 x cp`` chunks
+(``cp`` without load balancing); rank r keeps chunks r and ``2cp-1-r``, a head and a tail,
+so that under causal attention each rank has the same work. Everything but attention is
+per token and runs on the local part unchanged. Attention all-gathers the keys and values
+of the whole sequence over ``cp`` (in backward their gradients are summed back to their
+owners) and masks each local query by global positions, so a rank's queries see exactly
+the keys one process would show them.
+
+Why an all-gather rather than a ring: it is Llama 3's design for long-context training, it
+runs any SDPA kernel unchanged (the CPU kernels included, which torch's ring implementation
+does not dispatch), its result is the one-process attention with no merging of partial
+softmaxes, and one collective per layer overlaps poorly only at very long sequences, where
+a ring would win. The cost is memory: each rank holds the whole sequence's keys and values
+of one layer at a time, next to its own share of everything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from dream_trainer.world.dims import MeshAxis
+from dream_trainer.world.world import DistributedWorld
+
+Tensors = tuple[Any, ...]
+
+
+def sequence_positions(length: int, cp: int, rank: int, balanced: bool) -> torch.Tensor:
+    """The positions of a ``length``-long sequence that context-parallel rank ``rank`` of
+    ``cp`` holds, in the order it holds them: chunks ``rank`` and ``2cp-1-rank`` of ``2cp``
+    when ``balanced``, else chunk ``rank`` of ``cp``."""
+    chunks = 2 * cp if balanced else cp
+    size = length // chunks
+    held = (rank, chunks - 1 - rank) if balanced else (rank,)
+    return torch.cat([torch.arange(chunk * size, (chunk + 1) * size) for chunk in held])
+
+
+def split_problem(length: int, cp: int, balanced: bool) -> str | None:
+    """Why a sequence of ``length`` cannot be split over ``cp`` ranks, or None."""
+    chunks = 2 * cp if balanced else cp
+    if length % chunks == 0:
+        return None
+    how = (f"2 x context_parallel = {chunks} chunks (a head and a tail per rank, "
+           "context_parallel_load_balance=True)" if balanced
+           else f"context_parallel = {chunks} chunks")
+    return (f"a sequence of {length} positions does not split into {how}: pad or cut the "
+            f"sequences to a multiple of {chunks}, or change context_parallel")
+
+
+class SequenceSplit:
+    """This rank's part of sequences of one length: which positions it holds, and the mask
+    that lets its queries see the keys of every rank up to their own position."""
+
+    def __init__(self, length: int, cp: int, rank: int, balanced: bool,
+                 device: torch.device) -> None:
+        self.length = length
+        self.local = sequence_positions(length, cp, rank, balanced).to(device)
+        gathered = torch.cat([sequence_positions(length, cp, peer, balanced)
+                              for peer in range(cp)]).to(device)
+        # Keys arrive in rank order; softmax does not care about their order, only which a
+        # query may see.
+        self.causal_mask = gathered[None, :] <= self.local[:, None]
+
+    def take(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """``tensor``'s rows at this rank's positions along ``dim``."""
+        return tensor.index_select(dim, self.local)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along a dimension in rank order; backward sums every rank's gradient of
+    the whole and hands each rank the part it contributed."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, dim: int, group: dist.ProcessGroup,
+                ranks: int, rank: int) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.ranks, ctx.rank = dim, group, ranks, rank
+        parts = [torch.empty_like(tensor) for _ in range(ranks)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == "gloo":  # gloo has no reduce-scatter of tensors
+            dist.all_reduce(grad, group=ctx.group)
+            mine = grad.chunk(ctx.ranks, ctx.dim)[ctx.rank].contiguous()
+        else:
+            parts = [part.contiguous() for part in grad.chunk(ctx.ranks, ctx.dim)]
+            mine = torch.empty_like(parts[ctx.rank])
+            dist.reduce_scatter(mine, parts, group=ctx.group)
+        return mine, None, None, None, None
+
+
+class _GatheredAttention(TorchFunctionMode):
+    """Inside it, ``F.scaled_dot_product_attention`` over this rank's part of a split
+    sequence attends to the whole sequence (``SequenceSplit``)."""
+
+    def __init__(self, split: SequenceSplit, group: dist.ProcessGroup, ranks: int,
+                 rank: int) -> None:
+        super().__init__()
+        self.split, self.group, self.ranks, self.rank = split, group, ranks, rank
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Tensors = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
+        if func is F.scaled_dot_product_attention:
+            return self.attend(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+               is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False) -> torch.Tensor:
+        local = self.split.local.numel()
+        if query.size(-2) != local or key.size(-2) != local:
+            # Cross-attention to a context that was not split (a text encoding, say) is
+            # exact on the local queries as it is.
+            if query.size(-2) == local and not is_causal:
+                return F.scaled_dot_product_attention(
+                    query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
+                    enable_gqa=enable_gqa)
+            raise ValueError(
+                f"under context_parallel={self.ranks} attention received queries of length "
+                f"{query.size(-2)} and keys of length {key.size(-2)}, but this rank holds "
+                f"{local} positions of the split sequence: attention must run on the split "
+                "sequence (dim -2 of [batch, heads, sequence, head_dim]); check "
+                "context_parallel_seq_dim")
+        if attn_mask is not None:
+            raise ValueError(
+                f"under context_parallel={self.ranks} attention takes no attn_mask (it builds "
+                "the causal mask over the gathered sequence itself): pass is_causal=True for "
+                "causal attention, or nothing for full attention")
+        dim = query.dim() - 2
+        key = _GatherSequence.apply(key, dim, self.group, self.ranks, self.rank)
+        value = _GatherSequence.apply(value, dim, self.group, self.ranks, self.rank)
+        mask = self.split.causal_mask if is_causal else None
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                              dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=enable_gqa)
+
+
+class Context:
+    """Without context parallelism every rank holds whole sequences: nothing to split.
+
+    A part of every layout (``Layout.context``), since context parallelism composes with
+    the other degrees; ``ContextParallel`` is the one that acts.
+    """
+
+    def bind(self, buffers: Mapping[str, int], models: Mapping[str, nn.Module]) -> None:
+        """Find what carries positions in the built models: the buffers
+        ``context_parallel_buffers()`` names, and ``transformers``' rotary embeddings
+        (nothing to find here)."""
+
+    def split(self, tensors: Tensors,
+              seq_dim: int | None = None) -> contextlib.AbstractContextManager[Tensors]:
+        """A context yielding ``tensors`` as this rank runs them: here as they are."""
+        return contextlib.nullcontext(tensors)
+
+    def whole_loss(self, loss: torch.Tensor, summed: bool) -> torch.Tensor:
+        """The loss of the whole sequences from this rank's part of it: here the loss."""
+        return loss
+
+
+class ContextParallel(Context):
+    """``context_parallel > 1``: sequences split over the ``cp`` ranks (see the module
+    docstring), attention gathering keys and values, position buffers cut to match.
+
+    Args:
+        world: The run's topology; the ``cp`` mesh is read when first needed.
+        seq_dim: ``context_parallel_seq_dim``, the default sequence dimension of a split.
+        balanced: ``context_parallel_load_balance``.
+    """
+
+    def __init__(self, world: DistributedWorld, seq_dim: int, balanced: bool) -> None:
+        self.world = world
+        self.seq_dim = seq_dim
+        self.balanced = balanced
+        self.ranks = world.dims.cp
+        self.buffers: list[tuple[nn.Module, str, int]] = []
+        self._splits: dict[tuple[int, torch.device], SequenceSplit] = {}
+        self._active: SequenceSplit | None = None
+        self._hooks: list[Any] = []
+
+    def bind(self, buffers: Mapping[str, int], models: Mapping[str, nn.Module]) -> None:
+        """Find each buffer named ``"<model attribute>.<module path>.<buffer>"`` (a rotary
+        table indexed by position, say; the module path may hold ``*`` wildcards, as in
+        ``"model.layers.*.rope.angles"``) with its sequence dimension: inside ``split`` it
+        holds only this rank's positions, in this rank's order.
+
+        Raises:
+            ValueError: naming a buffer that no model holds.
+        """
+        self.buffers = []
+        for path, dim in buffers.items():
+            found = _find_buffers(path, models)
+            if not found:
+                raise ValueError(
+                    f"context_parallel_buffers() names {path!r}, but no model holds such a "
+                    "buffer: give '<model attribute>.<module path>.<buffer name>' as "
+                    f"named_buffers() spells it (models: {sorted(models)})")
+            self.buffers += [(module, name, dim) for module, name in found]
+        for hook in self._hooks:
+            hook.remove()
+        # A transformers decoder counts the positions of the part it is given from 0 and
+        # turns them into rotations in its rotary embedding: the hook maps them to the
+        # positions this rank holds (its attention mask stays None, so SDPA runs causal).
+        self._hooks = [module.register_forward_pre_hook(self._global_positions,
+                                                        with_kwargs=True)
+                       for model in models.values() for module in model.modules()
+                       if _is_hf_rotary(module)]
+
+    @contextlib.contextmanager
+    def split(self, tensors: Tensors, seq_dim: int | None = None) -> Iterator[Tensors]:
+        """Yield each tensor of ``tensors`` cut to this rank's positions along ``seq_dim``
+        (``context_parallel_seq_dim`` by default; other values pass through), with attention
+        over the whole sequence and the position buffers cut to match until the context
+        exits. Backward must run inside it when activations are recomputed.
+
+        Raises:
+            ValueError: if the tensors' sequence lengths differ or do not split into the
+                chunks (naming the fields), or a position buffer is shorter than them.
+        """
+        dim = self.seq_dim if seq_dim is None else seq_dim
+        lengths = {t.size(dim) for t in tensors if isinstance(t, torch.Tensor) and t.dim() > dim}
+        if len(lengths) != 1:
+            raise ValueError(
+                f"context_parallel={self.ranks} splits every tensor input and target along "
+                f"context_parallel_seq_dim={dim}, but their lengths there are "
+                f"{sorted(lengths) or 'absent'}: give tensors of one sequence length (or set "
+                "context_parallel_seq_dim)")
+        length = lengths.pop()
+        problem = split_problem(length, self.ranks, self.balanced)
+        if problem is not None:
+            raise ValueError(problem)
+        split = self._split(length)
+        group = self._group()
+        parts = tuple(split.take(t, dim) if isinstance(t, torch.Tensor) and t.dim() > dim
+                      else t for t in tensors)
+        self._active = split
+        try:
+            with _local_buffers(self.buffers, split), \
+                    _GatheredAttention(split, group, self.ranks, self._rank()):
+                yield parts
+        finally:
+            self._active = None
+
+    def whole_loss(self, loss: torch.Tensor, summed: bool) -> torch.Tensor:
+        """The sum of the ranks' losses (``summed``: sums over items), else their mean
+        (means over equal parts)."""
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=self._group())
+        return total if summed else total / self.ranks
+
+    def _global_positions(self, module: nn.Module, args: Tensors,
+                          kwargs: dict[str, Any]) -> tuple[Tensors, dict[str, Any]] | None:
+        """The rotary embedding's ``position_ids`` (local indices) as the positions held."""
+        if self._active is None:
+            return None
+        local = self._active.local
+        if "position_ids" in kwargs:
+            return args, {**kwargs, "position_ids": local[kwargs["position_ids"]]}
+        return (args[0], local[args[1]], *args[2:]), kwargs
+
+    def _split(self, length: int) -> SequenceSplit:
+        key = (length, self.world.device)
+        if key not in self._splits:
+            self._splits[key] = SequenceSplit(length, self.ranks, self._rank(), self.balanced,
+                                              self.world.device)
+        return self._splits[key]
+
+    def _group(self) -> dist.ProcessGroup:
+        group = self.world.get_group(MeshAxis.CP)
+        if group is None:
+            raise RuntimeError("the cp mesh axis does not exist: the run is not launched")
+        return group
+
+    def _rank(self) -> int:
+        mesh = self.world.get_mesh(MeshAxis.CP)
+        assert mesh is not None
+        return mesh.get_local_rank()
+
+
+def _is_hf_rotary(module: nn.Module) -> bool:
+    kind = type(module)
+    return kind.__module__.startswith("transformers.") \
+        and kind.__name__.endswith("RotaryEmbedding")
+
+
+def _find_buffers(path: str, models: Mapping[str, nn.Module]) -> list[tuple[nn.Module, str]]:
+    """Every (module, buffer name) matching ``path``, looking through compilation's
+    ``_orig_mod`` and a pipeline's stages (each stage holding a copy counts)."""
+    model_name, _, rest = path.partition(".")
+    model = models.get(model_name)
+    if model is None or not rest:
+        return []
+    module_path, _, buffer = rest.rpartition(".")
+    found = []
+    for name, module in model.named_modules():
+        plain = ".".join(part for part in name.split(".") if part != "_orig_mod")
+        if fnmatch.fnmatchcase(plain, module_path) and buffer in module._buffers \
+                and module._buffers[buffer] is not None:
+            found.append((module, buffer))
+    return found
+
+
+@contextlib.contextmanager
+def _local_buffers(buffers: Sequence[tuple[nn.Module, str, int]],
+                   split: SequenceSplit) -> Iterator[None]:
+    saved: list[tuple[nn.Module, str, torch.Tensor]] = []
+    try:
+        for module, name, dim in buffers:
+            whole = module._buffers[name]
+            assert whole is not None
+            if whole.size(dim) < split.length:
+                raise ValueError(
+                    f"the position buffer {name!r} has {whole.size(dim)} positions along dim "
+                    f"{dim}, fewer than the sequence's {split.length}")
+            saved.append((module, name, whole))
+            module._buffers[name] = split.take(whole, dim)
+        yield
+    finally:
+        for module, name, whole in reversed(saved):
+            module._buffers[name] = whole
