@@ -44,7 +44,8 @@ SNAPSHOT = {
 TRAINING_FIELDS = ["n_epochs", "train_batch_size", "val_batch_size",
                    "gradient_accumulation_steps", "train_steps_per_epoch", "val_steps_per_epoch",
                    "val_every_n_steps", "num_sanity_val_steps", "gradient_clip_val", "max_steps"]
-DEVICE_FIELDS = ["dp_replicate", "dp_shard", "context_parallel", "tensor_parallel",
+DEVICE_FIELDS = ["dp_replicate", "dp_shard", "context_parallel", "context_parallel_seq_dim",
+                 "context_parallel_load_balance", "tensor_parallel",
                  "pipeline_parallel", "expert_parallel", "device", "param_dtype", "reduce_dtype", "compile_model",
                  "checkpoint_activations", "cpu_offload", "init_timeout", "train_timeout",
                  "flight_recorder_entries", "detect_anomaly", "pipeline_schedule",

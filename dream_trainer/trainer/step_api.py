@@ -137,6 +137,30 @@ class StepAPI(AbstractTrainer):
         self.item_weighting.add(num_items)
         return 1
 
+    def context_parallel(self, *tensors: Any,
+                         seq_dim: int | None = None) -> contextlib.AbstractContextManager[Any]:
+        """A context for a hand-written step under ``context_parallel > 1``: it yields the
+        tensors cut to this rank's part of the sequence (each tensor's ``seq_dim``, by
+        default ``context_parallel_seq_dim``; other values pass through), and inside it
+        attention (``F.scaled_dot_product_attention``) runs over the whole sequence and the
+        ``context_parallel_buffers()`` hold this rank's positions. Without context
+        parallelism it yields the tensors as they are, so the same step runs everywhere::
+
+            with self.context_parallel(tokens[:, :-1], targets) as (inputs, targets):
+                loss = loss_fn(self.model(inputs), targets)  # a sum over the part's items
+                self.backward(loss, num_items=count)  # count: the whole sequences' items
+
+        ``forward_backward`` and ``forward_loss`` do this themselves. Run backward inside
+        the context (activation checkpointing recomputes attention there). The loss inside
+        is this rank's part's; ``num_items`` counts the items of the whole sequences, as
+        every rank of the ``cp`` axis computes it before the split.
+
+        Raises:
+            ValueError: if the tensors' sequence lengths differ or do not split into
+                ``2 x context_parallel`` chunks (``context_parallel`` without load balancing).
+        """
+        return self.layout.context.split(tensors, seq_dim)
+
     def _loss_context(self) -> contextlib.AbstractContextManager[Any]:
         if not self.config.device_parameters.loss_parallel:
             return contextlib.nullcontext()
@@ -203,8 +227,7 @@ class StepAPI(AbstractTrainer):
     def _declare_model_stages(self) -> None:
         """The actions the built models need: the balancing bias of mixture-of-experts
         layers, moved after each update."""
-        balancing = ExpertBalancing.of(self.named_models().values(),
-                                       lambda: self.world.dp_group)
+        balancing = ExpertBalancing.of(self.named_models().values(), self.world)
         if balancing is not None and "expert_balance" not in self.step_points.after_update:
             self.step_points.add("after_update", "expert_balance", balancing)
 

@@ -176,3 +176,18 @@ class RotaryGPTTrainer(BaseTrainer, SetupMixin):
         total = self.forward_loss(self.model, tokens[:, :-1], target=targets,
                                   loss_fn=summed_loss, num_items=count)
         return {"val_loss": total / count}
+
+
+class HandWrittenTrainer(RotaryGPTTrainer):
+    """The same steps written by hand inside ``context_parallel``, with ``backward``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        (tokens,) = batch
+        targets = targets_of(tokens)
+        count = (targets != IGNORE).sum()  # the whole sequences' tokens, before the split
+        with self.context_parallel(tokens[:, :-1], targets) as (inputs, part):
+            loss = summed_loss(self.model(inputs), part)
+            self.backward(loss, num_items=count)
+        if self.is_accumulating_gradients:
+            return {"loss": loss}
+        return {"loss": loss, "grad_norm": self.step(self.model, self.optimizer)}

@@ -6,6 +6,10 @@ sequences of 16 tokens) with SGD and binding gradient clipping, then validates. 
 the initial and final weights as full tensors by name (merged from every pipeline stage),
 each step's loss and gradient norm, and the validation loss.
 
+A run named ``ckpt_cp2`` trains 2 epochs under cp=2 with a checkpoint every 2 steps
+(``resume="latest"``) in WORK/ckpt_cp2; ``ckpt_cp2_kill`` does the same in its own directory
+and SIGKILLs rank 0 after step 5 (once per WORK): run again, it resumes from step 4.
+
 A run named ``hf_<layout>`` fine-tunes instead the tiny Llama that WORK/pretrained holds
 (``init_weights_from``) through ``forward_backward``, and exports it to WORK/export_<run>.
 
@@ -24,11 +28,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from dream_trainer.callbacks import Callback
-from dream_trainer.configs import DeviceParameters, TrainingParameters
+from dream_trainer.configs import CheckpointParameters, DeviceParameters, TrainingParameters
+from dream_trainer.mixins import CheckpointConfigMixin, CheckpointMixin
 from dream_trainer.parallel.names import canonical_name
+from tests.helpers.checkpointing import Killer
 from tests.helpers.hf import SEQ, VOCAB, HFTrainer, hf_config
 from tests.helpers.launch import save_on_rank_zero
-from tests.helpers.rotary_gpt import GPTConfig, RotaryGPTTrainer
+from tests.helpers.rotary_gpt import GPTConfig, HandWrittenTrainer, RotaryGPTTrainer
 from tests.scripts.layout_matrix import everyone
 
 GLOBAL_BATCH, ACCUMULATION, CLIP = 4, 2, 0.3
@@ -112,6 +118,32 @@ def device_parameters(name: str) -> DeviceParameters:
         else DeviceParameters.SINGLE_DEVICE()
 
 
+class CheckpointedConfig(GPTConfig, CheckpointConfigMixin):
+    pass
+
+
+class CheckpointedTrainer(RotaryGPTTrainer, CheckpointMixin):
+    config: CheckpointedConfig
+
+
+def checkpointed_run(name: str, work: Path) -> dict[str, Any]:
+    base = config("cp2")
+    checkpointed = CheckpointedConfig(**{
+        **dict(base), "experiment": name,
+        "training_parameters": base.training_parameters.model_copy(update={"n_epochs": 2})},
+        checkpoint_parameters=CheckpointParameters(root_dir=work / name, every_n_steps=2,
+                                                   resume="latest"))
+    trainer = CheckpointedTrainer(checkpointed)
+    recorder = Recorder()
+    trainer.callbacks.append(recorder)
+    if name.endswith("_kill"):
+        (work / "markers").mkdir(exist_ok=True)
+        trainer.callbacks.append(Killer(["step:5"], work / "markers"))
+    trainer.callbacks.attach(trainer)
+    trainer.fit()
+    return {"weights": recorder.weights, "global_step": trainer.global_step}
+
+
 def hf_run(name: str, work: Path) -> dict[str, Any]:
     config = hf_config(device_parameters=device_parameters(name.removeprefix("hf_")),
                        init_weights_from=work / "pretrained")
@@ -138,6 +170,7 @@ def config(name: str, summed: bool = True) -> GPTConfig:
 
 def run(name: str) -> dict[str, Any]:
     """One run; a name ending in ``_mean`` trains on the mean loss without ``num_items``,
+    one ending in ``_hand`` through a hand-written step in ``context_parallel``,
     ``cp2_odd_length`` on sequences of 14 tokens (4 chunks do not divide them) and
     records the error."""
     if name == "cp2_odd_length":
@@ -147,7 +180,8 @@ def run(name: str) -> dict[str, Any]:
         except ValueError as error:
             return {"error": str(error)}
         return {"error": None}
-    trainer = RotaryGPTTrainer(config(name, summed=not name.endswith("_mean")))
+    kind = HandWrittenTrainer if name.endswith("_hand") else RotaryGPTTrainer
+    trainer = kind(config(name.removesuffix("_hand"), summed=not name.endswith("_mean")))
     recorder = Recorder()
     trainer.callbacks.append(recorder)
     trainer.callbacks.attach(trainer)
@@ -158,8 +192,9 @@ def run(name: str) -> dict[str, Any]:
 
 
 def main(out: str, work: str, names: list[str]) -> None:
-    results = {name: hf_run(name, Path(work)) if name.startswith("hf_") else run(name)
-               for name in names}
+    runs = {"hf": hf_run, "ckpt": checkpointed_run}
+    results = {name: runs[name.split("_")[0]](name, Path(work)) if name.split("_")[0] in runs
+               else run(name) for name in names}
     save_on_rank_zero(results, out, "context_runs")
 
 
