@@ -20,19 +20,21 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from dream_trainer.world.dims import MeshAxis
 from dream_trainer.world.world import DistributedWorld
 
 Tensors = tuple[Any, ...]
+
+_SDPA = F.scaled_dot_product_attention
+"""torch's own, whatever ``split`` puts in its place."""
 
 
 def sequence_positions(length: int, cp: int, rank: int, balanced: bool) -> torch.Tensor:
@@ -101,20 +103,14 @@ class _GatherSequence(torch.autograd.Function):
         return mine, None, None, None, None
 
 
-class _GatheredAttention(TorchFunctionMode):
-    """Inside it, ``F.scaled_dot_product_attention`` over this rank's part of a split
-    sequence attends to the whole sequence (``SequenceSplit``)."""
+class _GatheredAttention:
+    """``attend`` stands for ``F.scaled_dot_product_attention`` while a split is active: over
+    this rank's part of a split sequence it attends to the whole sequence
+    (``SequenceSplit``)."""
 
     def __init__(self, split: SequenceSplit, group: dist.ProcessGroup, ranks: int,
                  rank: int) -> None:
-        super().__init__()
         self.split, self.group, self.ranks, self.rank = split, group, ranks, rank
-
-    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Tensors = (),
-                           kwargs: Mapping[str, Any] | None = None) -> Any:
-        if func is F.scaled_dot_product_attention:
-            return self.attend(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
@@ -125,7 +121,7 @@ class _GatheredAttention(TorchFunctionMode):
             # Cross-attention to a context that was not split (a text encoding, say) is
             # exact on the local queries as it is.
             if query.size(-2) == local and not is_causal:
-                return F.scaled_dot_product_attention(
+                return _SDPA(
                     query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
                     enable_gqa=enable_gqa)
             raise ValueError(
@@ -143,9 +139,8 @@ class _GatheredAttention(TorchFunctionMode):
         key = _GatherSequence.apply(key, dim, self.group, self.ranks, self.rank)
         value = _GatherSequence.apply(value, dim, self.group, self.ranks, self.rank)
         mask = self.split.causal_mask if is_causal else None
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
-                                              dropout_p=dropout_p, scale=scale,
-                                              enable_gqa=enable_gqa)
+        return _SDPA(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                     enable_gqa=enable_gqa)
 
 
 class Context:
@@ -247,8 +242,8 @@ class ContextParallel(Context):
                       else t for t in tensors)
         self._active = split
         try:
-            with _local_buffers(self.buffers, split), \
-                    _GatheredAttention(split, group, self.ranks, self._rank()):
+            attention = _GatheredAttention(split, group, self.ranks, self._rank())
+            with _local_buffers(self.buffers, split), _attention_through(attention):
                 yield parts
         finally:
             self._active = None
@@ -310,6 +305,21 @@ def _find_buffers(path: str, models: Mapping[str, nn.Module]) -> list[tuple[nn.M
                 and module._buffers[buffer] is not None:
             found.append((module, buffer))
     return found
+
+
+@contextlib.contextmanager
+def _attention_through(attention: _GatheredAttention) -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` is ``attention.attend`` until the context exits.
+
+    A module attribute rather than a torch-function mode: activation checkpointing
+    recomputes attention inside backward, where autograd runs without the modes of the
+    forward, and a mode would add a Python call to every other operation of the step.
+    """
+    F.scaled_dot_product_attention = attention.attend  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = _SDPA
 
 
 @contextlib.contextmanager

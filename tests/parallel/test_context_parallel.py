@@ -4,7 +4,8 @@ The rotary GPT (``tests/helpers/rotary_gpt.py``: causal SDPA attention, a rotary
 table per block) trains 3 SGD steps of 2 accumulated micro-batches with binding clipping and
 ``num_items`` (targets ignored unevenly along the sequence, so the parts of a sequence count
 different numbers of tokens), then validates. Under ``context_parallel=2`` on 2 ranks (with
-and without load balancing, and with a mean loss), and with FSDP2, HSDP, TP and a pipeline
+and without load balancing, with activation checkpointing, with a mean loss, and written by
+hand), and with FSDP2, HSDP, TP and a pipeline
 on 4, the final weights equal one process's within 1e-6 (the ranks add the keys' partial
 gradients and the parameters' in another order than one process: ~1.5e-8 here; a wrong
 causal offset or token count moves them by ~1e-3). Two launches run them all; the one-process
@@ -25,8 +26,8 @@ from tests.scripts.context_runs import CLIP, hf_run, run
 
 SCRIPT = REPO / "tests/scripts/context_runs.py"
 ATOL = 1e-6
-TWO_RANKS = ["cp2", "cp2_contiguous", "cp2_mean", "cp2_hand", "hf_cp2", "ckpt_cp2",
-             "cp2_odd_length"]
+TWO_RANKS = ["cp2", "cp2_contiguous", "cp2_checkpointed", "cp2_mean", "cp2_hand", "hf_cp2",
+             "ckpt_cp2", "cp2_odd_length"]
 FOUR_RANKS = ["cp2_fsdp2", "cp2_tp2", "cp2_pp2", "cp2_hsdp"]
 
 

@@ -44,6 +44,7 @@ LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {
     "one": ({}, 1),
     "cp2": ({"context_parallel": 2}, 1),
     "cp2_contiguous": ({"context_parallel": 2, "context_parallel_load_balance": False}, 1),
+    "cp2_checkpointed": ({"context_parallel": 2, "checkpoint_activations": True}, 1),
     "cp2_fsdp2": ({"context_parallel": 2, "dp_shard": 2}, 2),
     "cp2_tp2": ({"context_parallel": 2, "tensor_parallel": 2}, 1),
     "cp2_pp2": ({"context_parallel": 2, "pipeline_parallel": 2, "dp_shard": 1}, 1),
