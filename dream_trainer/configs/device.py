@@ -167,19 +167,27 @@ def degree_problem(params: DeviceParameters, degrees: Mapping[str, Degree]) -> s
         problem = pipeline_problem(params.pipeline_schedule, pp, *pipeline_layout(params, pp))
         if problem is not None:
             return problem
-    ep = params.expert_parallel
-    if ep == 1:
+    return _expert_parallel_problem(params.expert_parallel, dp_shard, cp)
+
+
+def _expert_parallel_problem(ep: int, dp_shard: Degree, cp: Degree) -> str | None:
+    """Why ``expert_parallel=ep`` cannot borrow its ranks from these degrees, or None. It
+    borrows every context-parallel rank (their tokens differ, as data-parallel ranks' do,
+    and torchtitan does the same) and ``ep / cp`` of the ``dp_shard`` ranks; tensor- and
+    pipeline-parallel ranks and replicas each hold all of an ``ep`` group's experts."""
+    if ep == 1 or cp == "auto":
         return None
-    unsupported = [f"{name}={degrees[name]!r}" for name in
-                   ("tensor_parallel", "pipeline_parallel", "dp_replicate", "context_parallel")
-                   if isinstance(degrees[name], int) and degrees[name] != 1]
-    if unsupported:
-        return (f"expert_parallel={ep} with {', '.join(unsupported)} is not supported yet: set "
-                "them to 1 (expert parallelism composes with dp_shard only)")
-    if isinstance(dp_shard, int) and dp_shard % ep:
-        return (f"expert_parallel={ep} borrows its ranks from dp_shard, so dp_shard must be a "
-                f"multiple of {ep}, got dp_shard={dp_shard!r}: set dp_shard to a multiple of "
-                f"{ep} or 'auto'")
+    if ep % cp:
+        return (f"expert_parallel={ep} with context_parallel={cp}: expert parallelism borrows "
+                "every context-parallel rank (they hold different tokens) and the rest from "
+                f"dp_shard, so expert_parallel must be a multiple of {cp}: set it to one, or "
+                "change context_parallel")
+    lent = ep // cp
+    if isinstance(dp_shard, int) and dp_shard % lent:
+        source = "dp_shard" if cp == 1 else f"dp_shard (and context_parallel={cp})"
+        return (f"expert_parallel={ep} borrows its ranks from {source}, so dp_shard must be a "
+                f"multiple of {lent}, got dp_shard={dp_shard!r}: set dp_shard to a multiple of "
+                f"{lent} or 'auto'")
     return None
 
 
@@ -220,13 +228,16 @@ class DeviceParameters(ConfigModel):
     expert_parallel: PositiveInt = 1
     """Expert-parallel degree: the routed experts of every ``dream_trainer.nn.MoE`` layer are
     split over this many ranks, which exchange tokens by all-to-all (see
-    ``SetupMixin.apply_expert_parallel``). It borrows its ranks from ``dp_shard`` and does not
-    change the world size: ``dp_shard`` must be a multiple of it (FSDP2 then shards each
-    rank's experts over ``dp_shard / expert_parallel`` ranks, the other weights over all
-    ``dp_shard``), and so must every MoE layer's ``num_experts``. When neither
-    ``dp_replicate`` nor ``dp_shard`` is given, ``dp_shard`` is ``"auto"``. Not supported yet
-    with ``tensor_parallel``, ``pipeline_parallel``, ``context_parallel`` or
-    ``dp_replicate`` above 1."""
+    ``SetupMixin.apply_expert_parallel``). It borrows its ranks from ``dp_shard`` x
+    ``context_parallel`` and does not change the world size: it must be a multiple of
+    ``context_parallel`` (it borrows every cp rank) and ``dp_shard`` a multiple of
+    ``expert_parallel / context_parallel`` (FSDP2 then shards each rank's experts over the
+    ``dp_shard x context_parallel / expert_parallel`` ranks left, ``efsdp``, the other
+    weights over all of ``dp_shard x context_parallel``), and every MoE layer's
+    ``num_experts`` a multiple of it. Tensor- and pipeline-parallel ranks and ``dp_replicate``
+    replicas each hold all the experts of their ``ep`` group (the experts are not
+    tensor-parallel). When neither ``dp_replicate`` nor ``dp_shard`` is given, ``dp_shard`` is
+    ``"auto"``."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``"auto"`` uses CUDA when available, else the CPU."""
     param_dtype: TorchDType = torch.float32

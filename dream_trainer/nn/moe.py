@@ -14,7 +14,8 @@ dimension. Two ways to balance the load, usable together:
   choice of experts only (never to the weights), moved after each optimizer step by
   ``bias_update_rate`` towards the under-loaded experts, from the token counts of the whole
   step (``update_bias``; the trainer's ``step()`` calls it with the counts of every micro-batch
-  and data-parallel rank, so every rank moves its bias as one process would).
+  and of every rank that holds different tokens, data- and context-parallel, so every rank
+  moves its bias as one process would).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 ScoreFunc = Literal["softmax", "sigmoid"]
 
 _BALANCED = ContextVar("dream_trainer_balanced_routing", default=False)
+_UNCOUNTED = ContextVar("dream_trainer_uncounted_load", default=False)
 
 
 @contextlib.contextmanager
@@ -45,6 +47,18 @@ def balanced_routing() -> Iterator[None]:
         yield
     finally:
         _BALANCED.reset(token)
+
+
+@contextlib.contextmanager
+def uncounted_load() -> Iterator[None]:
+    """Within the block, ``MoE`` layers route as usual but add nothing to the load counts
+    that move the balancing bias: for a pass that is not part of the training batch (the
+    shape inference a pipeline schedule runs before its first microbatch)."""
+    token = _UNCOUNTED.set(True)
+    try:
+        yield
+    finally:
+        _UNCOUNTED.reset(token)
 
 
 def _balanced(slots: int, experts: int) -> list[int]:
@@ -189,7 +203,7 @@ class MoE(nn.Module):
         else:
             counts = torch.bincount(slots, minlength=self.num_experts)
             sizes = counts.tolist()  # the one host sync of the routing
-        if self.training:
+        if self.training and not _UNCOUNTED.get():
             self._load = counts.float() if self._load is None else self._load + counts
         order = slots.argsort(stable=True)
         token_of_slot = order // self.top_k

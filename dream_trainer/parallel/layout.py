@@ -77,7 +77,7 @@ class Experts:
     """Without expert parallelism every rank holds every expert: nothing to split or shard.
 
     A part of every layout, since expert parallelism composes with the other degrees (it
-    borrows its ranks from ``dp_shard``); ``ExpertParallel`` is the one that acts.
+    borrows its ranks from ``dp_shard`` x ``cp``); ``ExpertParallel`` is the one that acts.
     """
 
     def split(self, apply_expert_parallel: Callable[[DeviceMesh], None]) -> None:
@@ -88,8 +88,9 @@ class Experts:
 
 
 class ExpertParallel(Experts):
-    """``expert_parallel > 1``: experts split over the ``ep`` axis, then sharded by FSDP2 over
-    the data-parallel ranks left (``efsdp``)."""
+    """``expert_parallel > 1``: experts split over the ``ep`` axis (within a pipeline stage,
+    apart from tensor-parallel ranks, which route the same tokens alike), then sharded by
+    FSDP2 over the ranks left (``efsdp``, replicated over ``dp_replicate`` for HSDP)."""
 
     def __init__(self, world: DistributedWorld) -> None:
         self.world = world
@@ -98,7 +99,9 @@ class ExpertParallel(Experts):
         apply_expert_parallel(_mesh(self.world, MeshAxis.EP))
 
     def fully_shard(self, models: Iterable[nn.Module], config: dict[str, Any]) -> None:
-        mesh = _mesh(self.world, MeshAxis.EFSDP)
+        mesh = self.world.expert_fsdp_mesh
+        if mesh is None:
+            raise RuntimeError("the efsdp mesh axis does not exist: the run is not launched")
         for model in models:
             fully_shard_experts(model, mesh, config)
 

@@ -233,7 +233,16 @@ class PipelineRunner:
         """``stages`` wrapped in torch's ``PipelineStage``, on this runner's group."""
         from torch.distributed.pipelining import PipelineStage
 
-        return [PipelineStage(module, stage, self.num_stages, self.device, group=self.group)
+        from dream_trainer.nn.moe import uncounted_load
+
+        class Stage(PipelineStage):
+            def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+                # A pass on the first microbatch (garbage after the first stage) that is not
+                # part of the batch: MoE layers must not count its routing into their load.
+                with uncounted_load():
+                    return super()._forward_metadata_inference(*args, **kwargs)
+
+        return [Stage(module, stage, self.num_stages, self.device, group=self.group)
                 for module, stage in zip(stages, self.stage_ids)]
 
     def torch_schedule(self, pipeline_stages: list[Any], loss_fn: Callable[..., Any]) -> Any:

@@ -26,10 +26,15 @@ class MeshAxis(str, Enum):
     gradients are sharded over both, and reduce over it in one collective."""
     EFSDP = "efsdp"
     """With expert parallelism, the physical axis that replaces dp_shard's outer part: the
-    ranks FSDP2 shards each rank's experts over (dp_shard / ep; present even when 1)."""
+    ranks FSDP2 shards each rank's experts over (dp_shard x cp / ep; present even when 1)."""
     EP = "ep"
-    """With expert parallelism, dp_shard's inner part: the ranks the experts are split over.
-    dp_shard is then the flattened efsdp x ep view."""
+    """With expert parallelism, the ranks the experts are split over: dp_shard's inner part
+    (dp_shard is then the flattened efsdp x ep view), or with context parallelism the
+    flattened dp_shard_in_ep x cp view."""
+    DP_SHARD_IN_EP = "dp_shard_in_ep"
+    """With expert and context parallelism, the part of dp_shard that ep borrows besides
+    every cp rank (ep / cp; present when > 1): dp_shard is the flattened efsdp x
+    dp_shard_in_ep view."""
     DP_CP = "dp_cp"
     """Flattened dp_replicate x dp_shard x cp view, present when cp > 1: every rank that
     holds a different part of a batch's items, over which metrics are gathered."""
@@ -67,7 +72,8 @@ class ParallelDims:
     pp_microbatches: int = 1
     """Microbatches per pipeline step (``pipeline_microbatches`` resolved)."""
     ep: int = 1
-    """Expert-parallel degree (``expert_parallel``), a divisor of ``dp_shard``."""
+    """Expert-parallel degree (``expert_parallel``): a divisor of ``dp_shard`` x ``cp`` and a
+    multiple of ``cp``."""
     pp_schedule: PipelineSchedule = "1F1B"
     """The pipeline schedule (``pipeline_schedule``), which also places the stages on the
     ranks (``stage_ids``); "1F1B" without a pipeline."""
@@ -138,16 +144,30 @@ class ParallelDims:
 
     @property
     def efsdp(self) -> int:
-        """The ranks FSDP2 shards each rank's experts over: ``dp_shard / ep``."""
-        return self.dp_shard // self.ep
+        """The ranks FSDP2 shards each rank's experts over (besides ``dp_replicate``):
+        ``dp_shard`` x ``cp`` / ``ep``."""
+        return self.fsdp // self.ep
+
+    def dp_shard_axes(self) -> list[tuple[MeshAxis, int]]:
+        """The physical axes ``dp_shard`` is built from, outermost first: itself, or with
+        expert parallelism ``efsdp`` (even when 1) and the part of ``ep`` it lends (``ep``
+        itself without context parallelism; ``dp_shard_in_ep`` beside the cp ranks that
+        ``ep`` borrows whole, when > 1)."""
+        if self.ep == 1:
+            return [(MeshAxis.DP_SHARD, self.dp_shard)]
+        lent = self.ep // self.cp
+        if self.cp == 1:
+            return [(MeshAxis.EFSDP, self.efsdp), (MeshAxis.EP, lent)]
+        inner = [(MeshAxis.DP_SHARD_IN_EP, lent)] if lent > 1 else []
+        return [(MeshAxis.EFSDP, self.efsdp), *inner]
 
     def mesh_axes(self) -> list[tuple[MeshAxis, int]]:
-        """The physical mesh axes of size > 1, outermost first. With expert parallelism
-        dp_shard is built as ``efsdp x ep`` (efsdp even when 1) and flattened back."""
+        """The physical mesh axes of size > 1, outermost first; dp_shard as
+        ``dp_shard_axes()`` builds it (flattened back by the world)."""
         axes = []
         for axis, _ in _AXIS_FIELDS:
             if axis == MeshAxis.DP_SHARD and self.ep > 1:
-                axes += [(MeshAxis.EFSDP, self.efsdp), (MeshAxis.EP, self.ep)]
+                axes += self.dp_shard_axes()
             elif getattr(self, axis.value) > 1:
                 axes.append((axis, getattr(self, axis.value)))
         return axes

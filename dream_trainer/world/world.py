@@ -148,12 +148,20 @@ class DistributedWorld:
         (dp_replicate, that) for HSDP."""
         if self.mesh is None or self.dims.fsdp == 1:
             return None
-        if self.dims.ep > 1:
-            return self._flat_meshes[MeshAxis.DP_SHARD]
         shard = MeshAxis.DP_SHARD_CP if self.dims.cp > 1 else MeshAxis.DP_SHARD
         if self.dims.dp_replicate > 1:
             return self.mesh[(MeshAxis.DP_REPLICATE.value, shard.value)]
         return self.get_mesh(shard)
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards each rank's experts over under expert parallelism: efsdp,
+        or (dp_replicate, efsdp) for HSDP; None without expert parallelism."""
+        if self.mesh is None or self.dims.ep == 1:
+            return None
+        if self.dims.dp_replicate > 1:
+            return self.mesh[(MeshAxis.DP_REPLICATE.value, MeshAxis.EFSDP.value)]
+        return self.mesh[MeshAxis.EFSDP.value]
 
     @property
     def gradient_ranks(self) -> int:
@@ -244,12 +252,15 @@ class DistributedWorld:
             tuple(size for _, size in axes),
             mesh_dim_names=tuple(axis.value for axis, _ in axes),
         )
-        if self.dims.ep > 1:  # dp_shard is efsdp x ep (dp_replicate, tp and cp are 1)
-            experts = self.mesh[(MeshAxis.EFSDP.value, MeshAxis.EP.value)]
-            self._flat_meshes[MeshAxis.DP_SHARD] = experts._flatten(MeshAxis.DP_SHARD.value)
+        if self.dims.ep > 1:
+            # Built from efsdp and the part of ep it lends (dims.dp_shard_axes), dp_shard is
+            # their flattened view; ep borrows every cp rank besides that part.
+            if self.dims.dp_shard > 1:
+                self._flatten(MeshAxis.DP_SHARD, (MeshAxis.DP_SHARD,))
+            if self.dims.cp > 1:
+                self._flatten(MeshAxis.EP, (MeshAxis.DP_SHARD_IN_EP, MeshAxis.CP))
         if self.dims.dp_replicate > 1 and self.dims.dp_shard > 1:
-            dp = self.mesh[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]
-            self._flat_meshes[MeshAxis.DP] = dp._flatten(MeshAxis.DP.value)
+            self._flatten(MeshAxis.DP, (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD))
         if self.dims.cp > 1:
             # Registered on the root mesh even when dp_shard is 1 (then it is cp itself), so
             # that HSDP can slice (dp_replicate, dp_shard_cp).
@@ -259,14 +270,17 @@ class DistributedWorld:
             # Parameters and gradients of FSDP2 x TP are sharded over both axes: with a
             # flattened mesh registered, DTensor gathers and reduces them (the gradient norm,
             # full_tensor()) in one collective instead of one per axis (and stops warning).
-            shard_tp = self.mesh[(MeshAxis.DP_SHARD.value, MeshAxis.TP.value)]
-            self._flat_meshes[MeshAxis.DP_SHARD_TP] = shard_tp._flatten(
-                MeshAxis.DP_SHARD_TP.value)
+            self._flatten(MeshAxis.DP_SHARD_TP, (MeshAxis.DP_SHARD, MeshAxis.TP))
 
     def _flatten(self, view: MeshAxis, axes: tuple[MeshAxis, ...]) -> None:
-        """Register ``view``, the flattened mesh of those of ``axes`` that exist."""
+        """Register ``view``, the flattened mesh of those of ``axes`` that exist (dp_shard
+        standing for the physical axes it is built from)."""
         assert self.mesh is not None
-        present = tuple(axis.value for axis in axes if axis.value in self.mesh.mesh_dim_names)
+        physical = []
+        for axis in axes:
+            parts = self.dims.dp_shard_axes() if axis == MeshAxis.DP_SHARD else [(axis, 0)]
+            physical += [part.value for part, _ in parts]
+        present = tuple(name for name in physical if name in self.mesh.mesh_dim_names)
         self._flat_meshes[view] = self.mesh[present]._flatten(view.value)
 
     def seed(self, seed: int | None) -> None:

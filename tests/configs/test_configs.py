@@ -70,8 +70,9 @@ def test_invalid_training_parameters_name_the_field(kwargs: dict[str, Any], fiel
     ({"reduce_dtype": torch.int32}, "unknown dtype"),
     ({"dp_replicate": 0}, "greater than 0"),
     ({"tensor_parallel": -2}, "greater than 0"),
-    ({"context_parallel": 2, "dp_shard": 2, "expert_parallel": 2},
-     "expert_parallel=2 with context_parallel=2 is not supported yet"),
+    ({"context_parallel": 4, "dp_shard": 2, "expert_parallel": 2},
+     "expert_parallel=2 with context_parallel=4: expert parallelism borrows every "
+     "context-parallel rank"),
     ({"pipeline_parallel": 2, "pipeline_schedule": "GPipe", "pipeline_stages_per_rank": 2},
      "pipeline_schedule='GPipe' runs one stage per rank but pipeline_stages_per_rank=2"),
     ({"pipeline_parallel": 2, "pipeline_schedule": "DualPipeV", "pipeline_stages_per_rank": 1},
@@ -165,12 +166,14 @@ def test_assignment_is_validated() -> None:
 
 @pytest.mark.parametrize(("fields", "message"), [
     ({"expert_parallel": 2, "dp_shard": 3}, "dp_shard must be a multiple of 2, got dp_shard=3"),
+    # DDP replicas hold no dp_shard ranks to lend.
     ({"expert_parallel": 2, "dp_shard": 1, "dp_replicate": 2},
-     "expert_parallel=2 with dp_replicate=2 is not supported yet"),
-    ({"expert_parallel": 2, "dp_shard": 2, "tensor_parallel": 2},
-     "expert_parallel=2 with tensor_parallel=2 is not supported yet"),
-    ({"expert_parallel": 2, "pipeline_parallel": 2},
-     "expert_parallel=2 with pipeline_parallel=2 is not supported yet"),
+     "dp_shard must be a multiple of 2, got dp_shard=1"),
+    ({"expert_parallel": 4, "dp_shard": 1, "context_parallel": 2},
+     "expert_parallel=4 borrows its ranks from dp_shard (and context_parallel=2), so dp_shard "
+     "must be a multiple of 2, got dp_shard=1"),
+    ({"expert_parallel": 2, "dp_shard": 2, "context_parallel": 4},
+     "so expert_parallel must be a multiple of 4: set it to one, or change context_parallel"),
     ({"expert_parallel": 0}, "expert_parallel"),
 ])
 def test_expert_parallel_degrees_that_cannot_work_are_refused(fields: dict[str, Any],
@@ -212,9 +215,9 @@ def test_expert_parallel_borrows_from_dp_shard_without_changing_the_world() -> N
      {"cpu_offload": True, "dp_replicate": 2, "dp_shard": "auto"}, 2, "dp_shard='auto' is 1"),
     ({"loss_parallel": True, "tensor_parallel": 1},
      {"loss_parallel": True, "tensor_parallel": "auto"}, 1, "tensor_parallel='auto' is 1"),
-    ({"expert_parallel": 2, "dp_shard": 2, "tensor_parallel": 2},
-     {"expert_parallel": 2, "dp_shard": 2, "tensor_parallel": "auto"}, 4,
-     "tensor_parallel='auto' is 2"),
+    ({"expert_parallel": 2, "dp_shard": 1, "context_parallel": 4},
+     {"expert_parallel": 2, "dp_shard": 1, "context_parallel": "auto"}, 4,
+     "context_parallel='auto' is 4"),
     ({"expert_parallel": 2, "dp_shard": 3},
      {"expert_parallel": 2, "dp_shard": "auto"}, 3, "dp_shard='auto' is 3"),
 ])

@@ -117,6 +117,18 @@ def test_the_bias_moves_towards_the_under_loaded_experts_and_only_chooses() -> N
     assert "expert_bias" not in MoE(DIM, HIDDEN, EXPERTS, top_k=1).state_dict()
 
 
+def test_a_pass_outside_the_batch_routes_but_is_not_counted() -> None:
+    from dream_trainer.nn.moe import uncounted_load
+
+    layer = MoE(DIM, HIDDEN, EXPERTS, top_k=2, bias_update_rate=0.05)
+    x = torch.randn(5, DIM)
+    with uncounted_load():
+        inside = layer(x)
+    assert layer.tokens_per_expert.sum() == 0
+    torch.testing.assert_close(inside, layer(x), rtol=0, atol=0)
+    assert layer.tokens_per_expert.sum() == 5 * 2  # counted once the block exits
+
+
 @pytest.mark.parametrize(("top_k", "score_func"), [(0, "softmax"), (5, "softmax"),
                                                    (1, "relu")])
 def test_bad_arguments_are_named(top_k: int, score_func: str) -> None:

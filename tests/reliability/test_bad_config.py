@@ -66,8 +66,9 @@ CASES: list[tuple[type[BaseModel], dict[str, Any], str]] = [
     # Mesh degrees.
     (DeviceParameters, {"dp_shard": "auto", "tensor_parallel": "auto"}, "at most one mesh degree can be 'auto'"),
     (DeviceParameters, {"dp_replicate": "auto", "dp_shard": "auto"}, "dp_replicate and dp_shard"),
-    (DeviceParameters, {"context_parallel": 2, "dp_shard": 2, "expert_parallel": 2},
-     "expert_parallel=2 with context_parallel=2 is not supported yet"),
+    (DeviceParameters, {"context_parallel": 4, "dp_shard": 2, "expert_parallel": 2},
+     "expert_parallel=2 with context_parallel=4: expert parallelism borrows every "
+     "context-parallel rank"),
     (DeviceParameters, {"pipeline_parallel": 2, "pipeline_schedule": "ZBVZeroBubble",
                         "pipeline_stages_per_rank": 3}, "set pipeline_stages_per_rank=2"),
     # Incompatible options.
