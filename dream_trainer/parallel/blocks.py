@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
-_CONTAINERS = (nn.ModuleList, nn.Sequential)
+# A ModuleDict holds torchtitan's layers ({"0": block, "1": block, ...}).
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def find_blocks(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    """Children with parameters of the outermost ``ModuleList``/``Sequential`` containers.
+    """Children with parameters of the outermost ``ModuleList``/``Sequential``/``ModuleDict``
+    containers.
 
     Returns ``(container, name, block)`` triples, so a caller can replace a block in place with
     ``setattr(container, name, new_block)``. Containers inside a block are not searched: the

@@ -26,3 +26,18 @@ def test_containers_inside_blocks_are_not_split() -> None:
     model = nn.Sequential(nn.Sequential(inner, nn.Linear(2, 2)), nn.Linear(2, 2))
     assert [block for _, _, block in find_blocks(model)] == [model[0], model[1]]
     assert find_blocks(nn.Linear(2, 2)) == []
+
+
+def test_blocks_held_in_a_module_dict_are_found() -> None:
+    """torchtitan keeps its layers in a ``ModuleDict`` keyed by index: each is a block, so
+    FSDP2, recomputation and compilation wrap them one by one by default."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(8, 4)
+            self.layers = nn.ModuleDict({str(i): nn.Linear(4, 4) for i in range(3)})
+
+    net = Net()
+    assert [(container, name, block) for container, name, block in find_blocks(net)] == [
+        (net.layers, str(i), net.layers[str(i)]) for i in range(3)]

@@ -84,12 +84,20 @@ def test_a_sequential_model_splits_at_its_blocks_and_skips_other_stages() -> Non
     torch.testing.assert_close(last(first(x)), reference(x), rtol=0, atol=0)
 
 
+class TwoStacks(nn.Module):
+    """Blocks in two containers side by side (a ModuleDict of them would itself be the one
+    container, its stacks the blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.ModuleList([nn.Linear(2, 2)] * 2)
+        self.b = nn.ModuleList([nn.Linear(2, 2)] * 2)
+
+
 @pytest.mark.parametrize(("model", "stages", "message"), [
     (nn.Linear(2, 2), 2, "has no blocks to split into 2 pipeline stages"),
     (TinyTransformer(2), 4, "has 2 blocks, too few for 4 pipeline stages"),
-    (nn.ModuleDict({"a": nn.ModuleList([nn.Linear(2, 2)] * 2),
-                    "b": nn.ModuleList([nn.Linear(2, 2)] * 2)}), 2,
-     "holds blocks in more than one container"),
+    (TwoStacks(), 2, "holds blocks in more than one container"),
 ])
 def test_models_the_default_split_cannot_handle_say_to_override(
         model: nn.Module, stages: int, message: str) -> None:
