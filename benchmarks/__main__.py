@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from benchmarks import (checkpoint_speed, expert_steps, hf_load_memory, meta_init_memory,
-                        metadata_decode, pipeline_steps, plan_scale, resume_time, startup,
-                        step_overhead, stream_index, stream_resume, training_memory)
+from benchmarks import (checkpoint_speed, context_parallel, expert_steps, hf_load_memory,
+                        meta_init_memory, metadata_decode, pipeline_steps, plan_scale,
+                        resume_time, startup, step_overhead, stream_index, stream_resume,
+                        training_memory)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -55,6 +56,9 @@ def sections(quick: bool, lightning_python: str | None) -> dict[str, Callable[[]
         "pipeline_steps": lambda: pipeline_steps.measure(8 if quick else 60,
                                                          1 if quick else 3),
         "expert_steps": lambda: expert_steps.measure(8 if quick else 40, 1 if quick else 3),
+        "context_parallel": lambda: context_parallel.measure(
+            context_parallel.QUICK_SHAPE if quick else context_parallel.CPU_SHAPE,
+            7 if quick else 12, 1 if quick else 3),
         "gpu_throughput": lambda: gpu_result(quick),
         "plan_scale": lambda: plan_scale.measure(quick),
         "stream_index": lambda: stream_index.measure(20_000 if quick else 1_000_000,
@@ -93,7 +97,8 @@ def markdown(results: dict[str, Any]) -> str:
                       "stream_resume": stream_resume, "resume_time": resume_time,
                       "plan_scale": plan_scale, "metadata_decode": metadata_decode,
                       "stream_index": stream_index,
-                      "pipeline_steps": pipeline_steps, "expert_steps": expert_steps}[kind]
+                      "pipeline_steps": pipeline_steps, "expert_steps": expert_steps,
+                      "context_parallel": context_parallel}[kind]
             lines += module.markdown(result)
     return "\n".join(lines) + "\n"
 

@@ -35,6 +35,8 @@ Tensors = tuple[Any, ...]
 
 _SDPA = F.scaled_dot_product_attention
 """torch's own, whatever ``split`` puts in its place."""
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def sequence_positions(length: int, cp: int, rank: int, balanced: bool) -> torch.Tensor:
@@ -60,8 +62,8 @@ def split_problem(length: int, cp: int, balanced: bool) -> str | None:
 
 
 class SequenceSplit:
-    """This rank's part of sequences of one length: which positions it holds, and the mask
-    that lets its queries see the keys of every rank up to their own position."""
+    """This rank's part of sequences of one length: which positions it holds, in chunks, and
+    how to put the keys gathered from every rank (in rank order) back in position order."""
 
     def __init__(self, length: int, cp: int, rank: int, balanced: bool,
                  device: torch.device) -> None:
@@ -69,9 +71,13 @@ class SequenceSplit:
         self.local = sequence_positions(length, cp, rank, balanced).to(device)
         gathered = torch.cat([sequence_positions(length, cp, peer, balanced)
                               for peer in range(cp)]).to(device)
-        # Keys arrive in rank order; softmax does not care about their order, only which a
-        # query may see.
-        self.causal_mask = gathered[None, :] <= self.local[:, None]
+        self.natural_order = torch.argsort(gathered)
+        """Where each position's key is among the gathered ones (rank order)."""
+        chunks = 2 * cp if balanced else cp
+        self.chunk = length // chunks
+        self.starts = [int(self.local[i * self.chunk])
+                       for i in range(len(self.local) // self.chunk)]
+        """The first position of each chunk this rank holds, in its order."""
 
     def take(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """``tensor``'s rows at this rank's positions along ``dim``."""
@@ -103,6 +109,81 @@ class _GatherSequence(torch.autograd.Function):
         return mine, None, None, None, None
 
 
+class _CausalChunks(torch.autograd.Function):
+    """Causal attention of a rank's chunks of queries over the whole sequence's keys (in
+    position order), without a mask: each chunk attends to the keys before it in full and to
+    its own block causally, two calls of the CPU flash kernel merged by their log-sum-exp.
+    Backward runs the kernel's backward on each block with the merged output and
+    log-sum-exp, which gives each block's exact share of the gradients.
+
+    A mask would cost a ``[local, length]`` tensor per layer that the CPU kernels turn into
+    floats and keep for backward: more memory than the split saves on long sequences.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                starts: list[int], chunk: int, scale: float | None) -> torch.Tensor:
+        outputs, sums = [], []
+        for index, start in enumerate(starts):
+            q = query[..., index * chunk:(index + 1) * chunk, :]
+            out, lse = _FLASH(q, key[..., start:start + chunk, :],
+                              value[..., start:start + chunk, :], 0.0, True, scale=scale)
+            if start > 0:
+                past, past_lse = _FLASH(q, key[..., :start, :], value[..., :start, :], 0.0,
+                                        False, scale=scale)
+                merged = torch.logaddexp(lse, past_lse)
+                out = (out.float() * (lse - merged).exp().unsqueeze(-1)
+                       + past.float() * (past_lse - merged).exp().unsqueeze(-1)).to(q.dtype)
+                lse = merged
+            outputs.append(out)
+            sums.append(lse)
+        output, lse = torch.cat(outputs, -2), torch.cat(sums, -1)
+        ctx.save_for_backward(query, key, value, output, lse)
+        ctx.starts, ctx.chunk, ctx.scale = starts, chunk, scale
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        query, key, value, output, lse = ctx.saved_tensors
+        chunk, scale = ctx.chunk, ctx.scale
+        grad = grad.contiguous()
+        d_query, d_key, d_value = (torch.zeros_like(t) for t in (query, key, value))
+        for index, start in enumerate(ctx.starts):
+            rows = slice(index * chunk, (index + 1) * chunk)
+            args = (grad[..., rows, :], query[..., rows, :].contiguous())
+            state = (output[..., rows, :].contiguous(), lse[..., rows].contiguous())
+            blocks = [(slice(start, start + chunk), True)]
+            if start > 0:
+                blocks.append((slice(0, start), False))
+            for keys, causal in blocks:
+                dq, dk, dv = _FLASH_BACKWARD(
+                    *args, key[..., keys, :].contiguous(), value[..., keys, :].contiguous(),
+                    *state, 0.0, causal, scale=scale)
+                d_query[..., rows, :] += dq
+                d_key[..., keys, :] += dk
+                d_value[..., keys, :] += dv
+        return d_query, d_key, d_value, None, None, None
+
+
+def lower_right_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       starts: list[int], chunk: int, dropout_p: float = 0.0,
+                       scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """``_CausalChunks`` through torch's public SDPA, for CUDA (and dropout): each chunk
+    of queries attends to the keys up to its end with a lower-right causal bias, which
+    CUDA's flash and memory-efficient kernels take without a mask tensor (the CPU's
+    math kernel would build one)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    parts = []
+    for index, start in enumerate(starts):
+        end = start + chunk
+        parts.append(_SDPA(query[..., index * chunk:(index + 1) * chunk, :],
+                           key[..., :end, :], value[..., :end, :],
+                           attn_mask=causal_lower_right(chunk, end), dropout_p=dropout_p,
+                           scale=scale, enable_gqa=enable_gqa))
+    return torch.cat(parts, -2)
+
+
 class _GatheredAttention:
     """``attend`` stands for ``F.scaled_dot_product_attention`` while a split is active: over
     this rank's part of a split sequence it attends to the whole sequence
@@ -111,11 +192,16 @@ class _GatheredAttention:
     def __init__(self, split: SequenceSplit, group: dist.ProcessGroup, ranks: int,
                  rank: int) -> None:
         self.split, self.group, self.ranks, self.rank = split, group, ranks, rank
+        self._inside = False
+        """True while torch's causal bias, called from here, calls SDPA back by its name."""
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                is_causal: bool = False, scale: float | None = None,
                enable_gqa: bool = False) -> torch.Tensor:
+        if self._inside:
+            return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         local = self.split.local.numel()
         if query.size(-2) != local or key.size(-2) != local:
             # Cross-attention to a context that was not split (a text encoding, say) is
@@ -138,9 +224,24 @@ class _GatheredAttention:
         dim = query.dim() - 2
         key = _GatherSequence.apply(key, dim, self.group, self.ranks, self.rank)
         value = _GatherSequence.apply(value, dim, self.group, self.ranks, self.rank)
-        mask = self.split.causal_mask if is_causal else None
-        return _SDPA(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                     enable_gqa=enable_gqa)
+        if not is_causal:
+            return _SDPA(query, key, value, dropout_p=dropout_p, scale=scale,
+                         enable_gqa=enable_gqa)
+        order = self.split.natural_order
+        key, value = key.index_select(dim, order), value.index_select(dim, order)
+        if query.device.type == "cpu" and dropout_p == 0:
+            if enable_gqa and key.size(-3) != query.size(-3):
+                repeats = query.size(-3) // key.size(-3)
+                key = key.repeat_interleave(repeats, -3)
+                value = value.repeat_interleave(repeats, -3)
+            return _CausalChunks.apply(query, key, value, self.split.starts, self.split.chunk,
+                                       scale)
+        self._inside = True
+        try:
+            return lower_right_chunks(query, key, value, self.split.starts, self.split.chunk,
+                                      dropout_p, scale, enable_gqa)
+        finally:
+            self._inside = False
 
 
 class Context:

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from dream_trainer.parallel.context import SequenceSplit, sequence_positions, split_problem
+from dream_trainer.parallel.context import (SequenceSplit, _CausalChunks, lower_right_chunks,
+                                            sequence_positions, split_problem)
 from tests.helpers.launch import REPO, check, torchrun
 from tests.helpers.hf import save_pretrained
 from tests.scripts.context_runs import CLIP, hf_run, run
@@ -128,15 +129,44 @@ def test_balanced_positions_give_each_rank_a_head_and_a_tail() -> None:
     assert sorted(whole.tolist()) == list(range(12))
 
 
-def test_the_mask_lets_a_query_see_every_key_up_to_its_position() -> None:
+def test_the_split_knows_its_chunks_and_the_keys_order() -> None:
     split = SequenceSplit(8, 2, 1, balanced=True, device=torch.device("cpu"))
     # Rank 1 holds positions 2..5; keys arrive as rank 0's [0, 1, 6, 7], then [2, 3, 4, 5].
-    assert split.causal_mask.int().tolist() == [
-        [1, 1, 0, 0, 1, 0, 0, 0],
-        [1, 1, 0, 0, 1, 1, 0, 0],
-        [1, 1, 0, 0, 1, 1, 1, 0],
-        [1, 1, 0, 0, 1, 1, 1, 1],
-    ]
+    assert split.starts == [2, 4] and split.chunk == 2
+    gathered = torch.tensor([0, 1, 6, 7, 2, 3, 4, 5])
+    assert gathered[split.natural_order].tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("kernel", ["cpu_flash", "lower_right"])
+@pytest.mark.parametrize(("ranks", "balanced"), [(2, True), (2, False), (4, True)])
+def test_chunked_causal_attention_equals_one_process_in_value_and_gradient(
+        kernel: str, ranks: int, balanced: bool) -> None:
+    """Each rank's chunks of queries over the whole sequence's keys, as the CPU path
+    (flash kernel blocks merged by log-sum-exp) and the CUDA path (lower-right causal bias)
+    compute them: the outputs and the gradients summed over ranks equal one causal SDPA
+    (float32 rounding: 1e-6)."""
+    torch.manual_seed(0)
+    length = 16
+    q, k, v = (torch.randn(2, 3, length, 4, requires_grad=True) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for rank in range(ranks):
+        split = SequenceSplit(length, ranks, rank, balanced, torch.device("cpu"))
+        local = q.detach()[..., split.local, :].requires_grad_()
+        keys, values = (t.detach().clone().requires_grad_() for t in (k, v))
+        args = (local, keys, values, split.starts, split.chunk)
+        out = _CausalChunks.apply(*args, None) if kernel == "cpu_flash" \
+            else lower_right_chunks(*args)
+        torch.testing.assert_close(out, expected.detach()[..., split.local, :], rtol=0,
+                                   atol=1e-6)
+        out.backward(grad[..., split.local, :])
+        grads[0][..., split.local, :] += local.grad
+        grads[1] += keys.grad
+        grads[2] += values.grad
+    for got, tensor in zip(grads, (q, k, v)):
+        torch.testing.assert_close(got, tensor.grad, rtol=0, atol=1e-6)
 
 
 def test_split_problem_names_the_fields() -> None:
