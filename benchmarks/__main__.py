@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from benchmarks import (checkpoint_speed, context_parallel, expert_steps, hf_load_memory,
-                        meta_init_memory, metadata_decode, pipeline_steps, plan_scale,
-                        resume_time, startup, step_overhead, stream_index, stream_resume,
-                        training_memory)
+                        meta_init_memory, metadata_decode, object_store, pipeline_steps,
+                        plan_scale, resume_time, startup, step_overhead, stream_index,
+                        stream_resume, training_memory)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -63,6 +63,7 @@ def sections(quick: bool, lightning_python: str | None) -> dict[str, Callable[[]
         "plan_scale": lambda: plan_scale.measure(quick),
         "stream_index": lambda: stream_index.measure(20_000 if quick else 1_000_000,
                                                      2_000 if quick else 100_000),
+        "object_store": lambda: object_store.measure(4 if quick else 64, 1 if quick else 3),
         "metadata_decode": lambda: metadata_decode.measure(20 if quick else 2000,
                                                            4 if quick else 64,
                                                            1 if quick else 3),
@@ -96,7 +97,7 @@ def markdown(results: dict[str, Any]) -> str:
                       "hf_load_memory": hf_load_memory, "checkpoint_speed": checkpoint_speed,
                       "stream_resume": stream_resume, "resume_time": resume_time,
                       "plan_scale": plan_scale, "metadata_decode": metadata_decode,
-                      "stream_index": stream_index,
+                      "stream_index": stream_index, "object_store": object_store,
                       "pipeline_steps": pipeline_steps, "expert_steps": expert_steps,
                       "context_parallel": context_parallel}[kind]
             lines += module.markdown(result)

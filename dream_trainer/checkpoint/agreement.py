@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +14,7 @@ import torch.distributed as dist
 from dream_trainer.checkpoint.layout import (CONFIG, METADATA, MODEL_PREFIX, CheckpointError,
                                              CheckpointInfo, checksum, checksum_share,
                                              verify_files, written_files)
-from dream_trainer.checkpoint.lock import RunLock
+from dream_trainer.checkpoint.storage import Location, RunLockLike, storage_for
 from dream_trainer.checkpoint.trust import safe_reader
 
 logger = logging.getLogger(__name__)
@@ -44,7 +43,7 @@ def commit(info: CheckpointInfo, rank: int, world_size: int,
         dataclasses.replace(info, files=checksums).write()
 
 
-def find_problem(path: Path, rank: int, world_size: int,
+def find_problem(path: Location, rank: int, world_size: int,
                  group: dist.ProcessGroup | None) -> str | None:
     """What is wrong with the checkpoint at ``path`` on any rank (each checks a share of its
     files), or None; every rank gets the same answer."""
@@ -59,8 +58,8 @@ def find_problem(path: Path, rank: int, world_size: int,
     return next((p for p in gather(problem, world_size, group) if p is not None), None)
 
 
-def take_lock(directory: Path, rank: int, world_size: int,
-              group: dist.ProcessGroup | None) -> RunLock | None:
+def take_lock(directory: Location, rank: int, world_size: int,
+              group: dist.ProcessGroup | None) -> RunLockLike | None:
     """Rank 0 locks the experiment's directory; every rank learns the outcome.
 
     Returns:
@@ -71,7 +70,7 @@ def take_lock(directory: Path, rank: int, world_size: int,
     """
     lock, error = None, None
     if rank == 0:
-        lock = RunLock(directory)
+        lock = storage_for(directory).lock(directory)
         try:
             lock.acquire()
         except CheckpointError as exc:
@@ -93,16 +92,22 @@ def failures(exc: BaseException) -> str:
                      for rank, error in sorted(per_rank.items()))
 
 
-def root_cause(error: BaseException | tuple[BaseException, Any]) -> str:
+def innermost(error: BaseException | tuple[BaseException, Any]) -> BaseException:
     """The innermost cause of ``error`` (DCP keeps ``(exception, traceback)`` per rank)."""
     if isinstance(error, tuple):
         error = error[0]
     while error.__cause__ is not None or error.__context__ is not None:
         error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    return error
+
+
+def root_cause(error: BaseException | tuple[BaseException, Any]) -> str:
+    """The innermost cause of ``error`` as ``Type: message``."""
+    error = innermost(error)
     return f"{type(error).__name__}: {error}"
 
 
-def check_shapes(path: Path, models: dict[str, dict[str, Any]], metadata: Any) -> None:
+def check_shapes(path: Location, models: dict[str, dict[str, Any]], metadata: Any) -> None:
     """Name every model tensor that the checkpoint lacks or holds with another shape.
 
     Raises:
@@ -125,7 +130,7 @@ def check_shapes(path: Path, models: dict[str, dict[str, Any]], metadata: Any) -
                               + "; ".join(problems))
 
 
-def saved_config(path: Path) -> dict[str, Any] | None:
+def saved_config(path: Location) -> dict[str, Any] | None:
     """The config the checkpoint at ``path`` was saved with, or None if it has no
     ``config.json``.
 
@@ -133,10 +138,11 @@ def saved_config(path: Path) -> dict[str, Any] | None:
         CheckpointError: naming the file, if it is not a JSON object.
     """
     file = path / CONFIG
-    if not file.is_file():
+    storage = storage_for(path)
+    if not storage.is_file(file):
         return None
     try:
-        config = json.loads(file.read_text())
+        config = json.loads(storage.read_bytes(file))
     except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON or UTF-8
         raise CheckpointError(f"{file} cannot be read: {type(exc).__name__}: {exc}") from exc
     if not isinstance(config, dict):

@@ -5,17 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
-import stat
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from dream_trainer.checkpoint.storage import Location, storage_for
 from dream_trainer.errors import CheckpointError
-from dream_trainer.utils.files import write_atomically
-from dream_trainer.utils.paths import component_problem
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +38,14 @@ class CheckpointInfo:
             (``None`` for checkpoints written before checksums were recorded).
     """
 
-    path: Path
+    path: Location
     step: int
     epoch: int
     score: float | None
     files: dict[str, str] | None = None
 
     @classmethod
-    def read(cls, path: Path) -> CheckpointInfo:
+    def read(cls, path: Location) -> CheckpointInfo:
         """Read the ``dream_trainer.json`` of the checkpoint at ``path``.
 
         Raises:
@@ -57,7 +53,7 @@ class CheckpointInfo:
         """
         file = path / INFO
         try:
-            data = json.loads(file.read_text())
+            data = json.loads(storage_for(file).read_bytes(file))
             problem = _record_problem(data)
         except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON or UTF-8
             problem = f"{type(exc).__name__}: {exc}"
@@ -71,7 +67,8 @@ class CheckpointInfo:
         """Write atomically: a reader sees the whole file or none."""
         payload = {"step": self.step, "epoch": self.epoch, "score": self.score,
                    "files": self.files}
-        write_atomically(self.path / INFO, json.dumps(payload, indent=2).encode())
+        storage_for(self.path).write_bytes(self.path / INFO,
+                                           json.dumps(payload, indent=2).encode())
 
 
 def _record_problem(data: Any) -> str | None:
@@ -93,26 +90,25 @@ def _record_problem(data: Any) -> str | None:
     return None
 
 
-def step_dir(root: Path, step: int) -> Path:
+def step_dir(root: Location, step: int) -> Location:
     return root / f"step_{step}"
 
 
-def is_complete(path: Path) -> bool:
+def is_complete(path: Location) -> bool:
     """DCP writes ``.metadata`` (atomically, by rename) only after every rank's data, and
     ``dream_trainer.json`` is written after that."""
-    return (path / METADATA).is_file() and (path / INFO).is_file()
+    storage = storage_for(path)
+    return storage.is_file(path / METADATA) and storage.is_file(path / INFO)
 
 
-def step_dirs(root: Path) -> list[tuple[int, Path]]:
+def step_dirs(root: Location) -> list[tuple[int, Location]]:
     """Every ``step_<N>`` directory under ``root``, complete or not, by step."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if p.is_dir() and (m := _STEP_DIR.match(p.name))]
-    return sorted(found)
+    found = [(int(m.group(1)), root / name) for name, is_dir in storage_for(root).list_dir(root)
+             if is_dir and (m := _STEP_DIR.match(name))]
+    return sorted(found, key=lambda entry: entry[0])
 
 
-def complete_checkpoints(root: Path, warn: bool = False) -> list[CheckpointInfo]:
+def complete_checkpoints(root: Location, warn: bool = False) -> list[CheckpointInfo]:
     """The complete checkpoints under ``root``, oldest first.
 
     Incomplete ones are skipped, and so are those whose ``dream_trainer.json`` cannot be
@@ -144,21 +140,21 @@ def data_files(metadata: Any) -> dict[str, int]:
     return dict(sorted(needed.items()))
 
 
-def checksum(file: Path) -> str:
+def checksum(file: Location) -> str:
     """The SHA-256 of ``file`` (``sha256sum`` prints the same)."""
     digest = hashlib.sha256()
-    with open(file, "rb") as handle:
+    with storage_for(file).open(file) as handle:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
 
 
-def written_files(path: Path) -> list[str]:
+def written_files(path: Location) -> list[str]:
     """The files a save just wrote in ``path``: DCP's data files, ``.metadata`` and the
     config. Listed rather than read from ``.metadata``, whose decoding costs seconds for a
     checkpoint of many ranks."""
-    return sorted(name for name in os.listdir(path)
-                  if _WRITER.match(name) or name in (METADATA, CONFIG))
+    return sorted(name for name, is_dir in storage_for(path).list_dir(path)
+                  if not is_dir and (_WRITER.match(name) or name in (METADATA, CONFIG)))
 
 
 def checksum_share(names: Any, rank: int, world_size: int) -> list[str]:
@@ -180,7 +176,7 @@ def checksum_share(names: Any, rank: int, world_size: int) -> list[str]:
     return own + rest[rank::world_size]
 
 
-def verify_files(path: Path, metadata: Any, rank: int = 0, world_size: int = 1) -> None:
+def verify_files(path: Location, metadata: Any, rank: int = 0, world_size: int = 1) -> None:
     """Check that every file the metadata points into is a regular file inside the
     checkpoint, long enough, and (for a checkpoint with checksums) covered by a checksum
     recorded when the checkpoint was committed, which it still matches.
@@ -193,7 +189,8 @@ def verify_files(path: Path, metadata: Any, rank: int = 0, world_size: int = 1) 
             link, is missing, truncated, covered by no checksum, or altered.
     """
     needed = data_files(metadata)
-    recorded = CheckpointInfo.read(path).files if (path / INFO).is_file() else None
+    recorded = CheckpointInfo.read(path).files if storage_for(path).is_file(path / INFO) \
+        else None
     sizes = {name: entry_size(path, name, path / METADATA) for name in needed}
     for name in [*(recorded or {}), METADATA]:
         entry_size(path, name, path / INFO)
@@ -220,29 +217,11 @@ def verify_files(path: Path, metadata: Any, rank: int = 0, world_size: int = 1) 
             )
 
 
-def entry_size(path: Path, name: Any, source: Path) -> int:
+def entry_size(path: Location, name: Any, source: Location) -> int:
     """The size of the regular file ``name`` that ``source`` names in the checkpoint ``path``.
 
     Raises:
         CheckpointError: if ``name`` is not a plain file name (it would reach outside the
             checkpoint), or the entry is missing, a symbolic link or not a regular file.
     """
-    problem = component_problem(name)
-    if problem is not None:
-        raise CheckpointError(
-            f"{source} names the file {name!r}, which {problem}: a checkpoint reads only files "
-            "directly inside its own directory. The checkpoint was altered or crafted; do not "
-            "use it")
-    file = path / name
-    try:
-        entry = file.lstat()
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {file} is missing") from None
-    if stat.S_ISLNK(entry.st_mode):
-        raise CheckpointError(
-            f"checkpoint file {file} is a symbolic link (to {os.readlink(file)}): a checkpoint "
-            "reads only regular files inside its directory. Replace the link with the file "
-            "itself (cp -L), if you trust it")
-    if not stat.S_ISREG(entry.st_mode):
-        raise CheckpointError(f"checkpoint file {file} is not a regular file")
-    return entry.st_size
+    return storage_for(path).entry_size(path, name, source)

@@ -5,32 +5,32 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
-from pathlib import Path
 
 from dream_trainer.checkpoint.layout import (CheckpointInfo, complete_checkpoints, is_complete,
                                              step_dirs)
+from dream_trainer.checkpoint.storage import Location, storage_for
 from dream_trainer.configs.checkpoint import CheckpointParameters
 
 logger = logging.getLogger(__name__)
 
 # The checkpoint directories whose unscored checkpoints were warned about: once per run.
-_WARNED: set[Path] = set()
+_WARNED: set[Location] = set()
 
 
-def rotate(root: Path, params: CheckpointParameters, in_flight: Path | None) -> None:
+def rotate(root: Location, params: CheckpointParameters, in_flight: Location | None) -> None:
     """Delete the checkpoints under ``root`` beyond ``keep_top_k``, and incomplete ones older
     than the newest complete one (but never ``in_flight``, an async save still writing).
 
     A checkpoint whose ``monitor`` value is NaN or missing ranks below every scored one, in
     either ``mode``; the first such checkpoint under ``root`` is warned about."""
+    storage = storage_for(root)
     infos = complete_checkpoints(root)
     if not infos:
         return
     newest = infos[-1]
     for step, path in step_dirs(root):
         if step < newest.step and not is_complete(path) and path != in_flight:
-            shutil.rmtree(path, ignore_errors=True)
+            storage.remove_tree(path)
     if params.keep_top_k is None:
         return
     if params.monitor is None:
@@ -42,7 +42,7 @@ def rotate(root: Path, params: CheckpointParameters, in_flight: Path | None) -> 
     keep = {info.path for info in ranked[: params.keep_top_k]} | {newest.path}
     for info in infos:
         if info.path not in keep:
-            shutil.rmtree(info.path, ignore_errors=True)
+            storage.remove_tree(info.path)
 
 
 def _unscored(info: CheckpointInfo) -> bool:
@@ -57,7 +57,7 @@ def _rank(info: CheckpointInfo, sign: float) -> tuple[bool, float, int]:
     return False, sign * info.score, -info.step  # type: ignore[operator]
 
 
-def _warn_unscored(root: Path, monitor: str, infos: list[CheckpointInfo]) -> None:
+def _warn_unscored(root: Location, monitor: str, infos: list[CheckpointInfo]) -> None:
     unscored = next((info for info in infos if _unscored(info)), None)
     if unscored is None or root in _WARNED:
         return

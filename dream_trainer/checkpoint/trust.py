@@ -17,16 +17,14 @@ import functools
 import hashlib
 import importlib
 import io
-import os
-import stat
 from collections.abc import Iterable
-from pathlib import Path
 from typing import IO, Any
 
 import torch
 
-from dream_trainer.checkpoint.layout import INFO, METADATA, CheckpointInfo, entry_size
+from dream_trainer.checkpoint.layout import INFO, METADATA, CheckpointInfo
 from dream_trainer.checkpoint.safe_pickle import MAX_PICKLE_BYTES, loads
+from dream_trainer.checkpoint.storage import Location, location, storage_for
 from dream_trainer.checkpoint.torch_archive import load_archive
 from dream_trainer.errors import CheckpointError
 
@@ -90,42 +88,34 @@ def load_item(data: io.BytesIO | bytes, source: str, trusted: Iterable[str] = ()
     return load_archive(raw, source, _trusted(trusted), map_location)
 
 
-def open_inside(directory: Path, name: str) -> IO[bytes]:
+def open_inside(directory: Location, name: str) -> IO[bytes]:
     """``directory / name`` opened for reading, refusing a symlink or anything but a regular
     file: a checkpoint's files are its own, and a link would read one no checksum covers.
 
     Raises:
         CheckpointError: naming the file.
     """
-    path = directory / name
-    try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        entry_size(directory, name, directory)  # names it: missing, a link, not a file
-        raise CheckpointError(f"cannot open checkpoint file {path}: {exc}") from exc
-    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-        os.close(descriptor)
-        entry_size(directory, name, directory)
-        raise CheckpointError(f"checkpoint file {path} is not a regular file")
-    return os.fdopen(descriptor, "rb")
+    return storage_for(directory).open_inside(directory, name)
 
 
-def read_metadata_bytes(directory: Path) -> bytes:
+def read_metadata_bytes(directory: Location) -> bytes:
     """The bytes of ``directory``'s ``.metadata``, checked against the checksum recorded in
     its ``dream_trainer.json`` (when it has one) before anyone parses them.
 
     Raises:
         CheckpointError: naming the file, if it is too large, a link, or altered.
     """
+    storage = storage_for(directory)
     with open_inside(directory, METADATA) as file:
-        size = os.fstat(file.fileno()).st_size
+        size = storage.open_size(file)
         if size > MAX_PICKLE_BYTES:
             raise CheckpointError(f"{directory / METADATA} is {size} bytes, more than the "
                                   f"{MAX_PICKLE_BYTES} a checkpoint's metadata may have")
         data = file.read()
     # Absent while a save commits (the checksums are being computed) and in checkpoints
     # written before checksums: the decoder alone guards those.
-    recorded = CheckpointInfo.read(directory).files if (directory / INFO).is_file() else None
+    recorded = CheckpointInfo.read(directory).files if storage.is_file(directory / INFO) \
+        else None
     if recorded is not None and METADATA in recorded \
             and hashlib.sha256(data).hexdigest() != recorded[METADATA]:
         raise CheckpointError(
@@ -135,10 +125,11 @@ def read_metadata_bytes(directory: Path) -> bytes:
     return data
 
 
-def safe_reader(path: str | Path, trusted: Iterable[str] = ()) -> Any:
-    """A DCP storage reader for the checkpoint directory ``path`` that decodes every pickle
-    with ``safe_pickle`` and opens files without following symlinks (``reader_class()``)."""
-    return reader_class()(Path(path), _trusted(trusted))
+def safe_reader(path: str | Location, trusted: Iterable[str] = ()) -> Any:
+    """A DCP storage reader for the checkpoint directory ``path`` (local, or a URL such as
+    ``s3://bucket/prefix``) that decodes every pickle with ``safe_pickle`` and opens files
+    without following symlinks (``reader_class()``)."""
+    return reader_class()(location(path), _trusted(trusted))
 
 
 @functools.cache
@@ -152,9 +143,12 @@ def reader_class() -> type:
     from torch.distributed.checkpoint.planner import LoadItemType
 
     class SafeFileSystemReader(FileSystemReader):
-        def __init__(self, directory: Path, trusted: dict[str, Any]) -> None:
+        # Every read goes through the checkpoint's storage (storage_for), so one reader
+        # serves local directories and object stores alike.
+        def __init__(self, directory: Location, trusted: dict[str, Any]) -> None:
             super().__init__(str(directory))
             self.directory = directory
+            self.storage = storage_for(directory)
             self.trusted = trusted
             # The metadata, decoded once per reader: it costs milliseconds per hundred
             # chunks, and a load asks for it twice (the shape check, then DCP).
@@ -184,9 +178,9 @@ def reader_class() -> type:
             done.set_result(None)
             return done
 
-        def read_item(self, file: IO[bytes], path: Path, item: Any, planner: Any) -> None:
+        def read_item(self, file: IO[bytes], path: Location, item: Any, planner: Any) -> None:
             info = self.storage_data[item.storage_index]
-            if os.fstat(file.fileno()).st_size < info.offset + info.length:
+            if self.storage.open_size(file) < info.offset + info.length:
                 raise CheckpointError(f"checkpoint file {path} is truncated: item "
                                       f"{item.storage_index.fqn} needs bytes up to "
                                       f"{info.offset + info.length}; resume from an earlier "

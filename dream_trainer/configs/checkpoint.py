@@ -13,18 +13,30 @@ from dream_trainer.configs.base import ConfigModel
 _GLOBAL_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 
 
+def _url_or_path(value: object) -> object:
+    """A URL (``s3://bucket/prefix``) stays a string, which ``Path`` would corrupt (it folds
+    ``//``); any other string is a local path."""
+    if isinstance(value, str) and "://" not in value and value != "latest":
+        return Path(value)
+    return value
+
+
 class CheckpointParameters(ConfigModel):
     """Checkpoint cadence, retention and resumption.
 
     A checkpoint is also written when training ends. Checkpoints live in
-    ``<root_dir>/<project>/<group>/<experiment>/checkpoints/step_<N>/``.
+    ``<root_dir>/<project>/<group>/<experiment>/checkpoints/step_<N>/``, on a local
+    filesystem or, for a ``root_dir`` such as ``s3://bucket/prefix``, in an object store
+    (credentials and endpoint from the environment: see docs/checkpointing.md).
     """
 
     enabled: bool = True
     """Write checkpoints at all. ``False`` writes nothing (no periodic, final or preemption
     checkpoint, no lock) and cannot resume."""
-    root_dir: Path = Path("outputs")
-    """Directory under which every run's checkpoints are written."""
+    # Left to right: a URL string stays one (JSON would otherwise pick Path, folding "//").
+    root_dir: str | Path = Field(Path("outputs"), union_mode="left_to_right")
+    """Directory under which every run's checkpoints are written: a local path, or an
+    object-store URL (``s3://bucket/prefix``, any fsspec URL; the ``s3`` extra)."""
     every_n_steps: PositiveInt | None = None
     """Save after every N optimizer steps (``None``: not by steps)."""
     every_n_epochs: PositiveInt | None = 1
@@ -37,9 +49,10 @@ class CheckpointParameters(ConfigModel):
     last training or validation epoch result)."""
     mode: Literal["min", "max"] = "min"
     """Whether a smaller or larger ``monitor`` value is better."""
-    resume: Literal["latest"] | Path | None = None
+    resume: Literal["latest"] | str | Path | None = Field(None, union_mode="left_to_right")
     """``"latest"``: continue from the newest complete checkpoint of this experiment, or start
-    fresh if there is none; a path: resume from that checkpoint; ``None``: start fresh."""
+    fresh if there is none; a path or URL: resume from that checkpoint; ``None``: start
+    fresh."""
     load_weights_only: bool = False
     """With ``resume`` set to a path, load only the model weights (fine-tuning from another
     run): optimizers, schedulers, counters and data position start fresh."""
@@ -50,6 +63,11 @@ class CheckpointParameters(ConfigModel):
     besides the allowlist (tensors, builtin containers and scalars, DCP's metadata): your own
     class kept in ``extra_state_dict`` or a callback's state. Reading never runs code of any
     other type."""
+
+    @field_validator("root_dir", "resume")
+    @classmethod
+    def _keep_urls(cls, value: object) -> object:
+        return _url_or_path(value)
 
     @field_validator("trusted_globals")
     @classmethod
@@ -67,7 +85,7 @@ class CheckpointParameters(ConfigModel):
                 f"resume={str(self.resume)!r} needs checkpoints, but enabled=False turns them "
                 "off: set resume=None, or enabled=True"
             )
-        if self.load_weights_only and not isinstance(self.resume, Path):
+        if self.load_weights_only and self.resume in (None, "latest"):
             raise ValueError(
                 "load_weights_only=True needs resume=<path to a checkpoint> to take the "
                 "weights from"

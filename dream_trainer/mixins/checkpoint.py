@@ -5,10 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import Future
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -17,15 +15,15 @@ import torch.distributed as dist
 from pydantic import Field
 
 from dream_trainer.checkpoint.agreement import (check_shapes, commit, config_changes, failures,
-                                                find_problem, gather, root_cause, saved_config,
-                                                take_lock)
+                                                find_problem, gather, innermost, root_cause,
+                                                saved_config, take_lock)
 from dream_trainer.checkpoint.layout import (CONFIG, INFO, METADATA, CheckpointError,
                                              CheckpointInfo, complete_checkpoints, is_complete,
                                              step_dir, step_dirs)
-from dream_trainer.checkpoint.lock import RunLock
 from dream_trainer.checkpoint.retention import rotate
 from dream_trainer.checkpoint.rng import resized_streams, set_rng_state
 from dream_trainer.checkpoint.state import SHARED, TrainingState, check_shared, digest
+from dream_trainer.checkpoint.storage import Location, RunLockLike, location, storage_for
 from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.checkpoint import CheckpointParameters
@@ -83,16 +81,19 @@ class CheckpointMixin(AbstractTrainer):
         self._rng_mid_epoch = False
         self._preemption = PreemptionFlag()
         self._preemption_agreement = PreemptionAgreement(self._preemption)
-        self._lock: RunLock | None = None
+        self._lock: RunLockLike | None = None
 
     @property
     def checkpoint_parameters(self) -> CheckpointParameters:
         return self.config.checkpoint_parameters  # type: ignore[attr-defined,no-any-return]
 
     @property
-    def checkpoint_dir(self) -> Path:
-        """``<root_dir>/<project>/<group>/<experiment>/checkpoints``."""
-        return self.config.run_dir(self.checkpoint_parameters.root_dir) / "checkpoints"
+    def checkpoint_dir(self) -> Location:
+        """``<root_dir>/<project>/<group>/<experiment>/checkpoints``: a ``Path``, or an
+        ``ObjectPath`` when ``root_dir`` is an object-store URL."""
+        config = self.config
+        root = location(self.checkpoint_parameters.root_dir)
+        return root / config.project / config.group / config.experiment / "checkpoints"
 
     # -- phases ----------------------------------------------------------------------------
     @runs_on("post_setup")
@@ -193,7 +194,7 @@ class CheckpointMixin(AbstractTrainer):
         self._preemption.uninstall()
 
     # -- saving ------------------------------------------------------------------------------
-    def save_checkpoint(self, asynchronous: bool | None = None) -> Path:
+    def save_checkpoint(self, asynchronous: bool | None = None) -> Location:
         """Save the full state to ``checkpoint_dir/step_<global_step>`` (collective).
 
         At most one asynchronous save is in flight: a new save first waits for it.
@@ -219,21 +220,25 @@ class CheckpointMixin(AbstractTrainer):
         info = CheckpointInfo(path, self.global_step, self.current_epoch, self._monitor_value())
         if asynchronous is None:
             asynchronous = self.checkpoint_parameters.async_save
+        storage = storage_for(path)
         with self._explain_write_errors(path):
             if self.world.is_rank_zero:
-                if path.exists():  # a save at this step that never completed
-                    shutil.rmtree(path)
-                path.mkdir(parents=True)
-                (path / CONFIG).write_text(self.config.model_dump_json(indent=2))
+                if storage.is_dir(path):  # a save at this step that never completed
+                    storage.remove_tree(path)
+                storage.make_dir(path)
+                storage.write_bytes(path / CONFIG,
+                                    self.config.model_dump_json(indent=2).encode())
             self._barrier()
             self._check_shared_state()
             state = {"state": TrainingState(self)}
             if asynchronous:
                 future = _dcp().async_save(state, checkpoint_id=str(path),
-                                        process_group=self._checkpoint_group)
+                                           storage_writer=storage.writer(path),
+                                           process_group=self._checkpoint_group)
                 self._pending_save = (future, info)  # type: ignore[assignment]
             else:
-                _dcp().save(state, checkpoint_id=str(path), process_group=self._checkpoint_group)
+                _dcp().save(state, checkpoint_id=str(path), storage_writer=storage.writer(path),
+                            process_group=self._checkpoint_group)
         if not asynchronous:
             self._committed(info)
         self._last_saved_step = self.global_step
@@ -268,32 +273,50 @@ class CheckpointMixin(AbstractTrainer):
             self._committed(info)
 
     @contextlib.contextmanager
-    def _explain_write_errors(self, path: Path) -> Iterator[None]:
-        """Turn a failed write (full disk, read-only directory) into an error saying what is
-        kept; the half-written directory has no .metadata, so resume skips it."""
+    def _explain_write_errors(self, path: Location) -> Iterator[None]:
+        """Turn a failed write (full disk, read-only directory, unreachable object store) into
+        an error saying what is kept; the half-written checkpoint has no marker, so resume
+        skips it."""
         from torch.distributed.checkpoint.api import CheckpointException
 
+        storage = storage_for(path)
         try:
             yield
-        except (OSError, CheckpointException) as exc:
-            kept = complete_checkpoints(self.checkpoint_dir)
+        except (*storage.failures, CheckpointException) as exc:
             # DCP gathers every rank's error into one exception: name the real causes.
+            errors = [innermost(error) for error in exc.failures.values()] \
+                if isinstance(exc, CheckpointException) else [exc]
             cause = "; ".join(f"rank {rank}: {root_cause(error)}"
                               for rank, error in exc.failures.items()) \
                 if isinstance(exc, CheckpointException) else str(exc)
-            free = shutil.disk_usage(self.checkpoint_dir).free \
-                if self.checkpoint_dir.exists() else None
+            advice = next((found for error in errors
+                           if (found := storage.advice(path, error)) is not None), None)
             raise CheckpointError(
                 f"could not write checkpoint {path}: {cause}"
-                + ("" if free is None else f" ({free} bytes free on its device)")
-                + ". Training state in memory is "
-                "unchanged; resume would use "
-                + (str(kept[-1].path) if kept else "no checkpoint (none is complete)")
+                + ("" if advice is None else f" ({advice})")
+                + self._free_space() + ". Training state in memory is unchanged; resume "
+                "would use " + self._kept()
             ) from exc
+
+    def _free_space(self) -> str:
+        try:
+            free = storage_for(self.checkpoint_dir).free_bytes(self.checkpoint_dir)
+        except OSError:
+            return ""
+        return "" if free is None else f" ({free} bytes free on its device)"
+
+    def _kept(self) -> str:
+        """The checkpoint resume would use, for an error message (or why it is unknown)."""
+        try:
+            kept = complete_checkpoints(self.checkpoint_dir)
+        except (*storage_for(self.checkpoint_dir).failures, CheckpointError) as exc:
+            return f"the newest complete checkpoint (they cannot be listed now: {exc})"
+        return str(kept[-1].path) if kept else "no checkpoint (none is complete)"
 
     def _committed(self, info: CheckpointInfo) -> None:
         """Checksum and complete the checkpoint, then apply retention (collective)."""
-        commit(info, self.world.rank, self.world.world_size, self._checkpoint_group)
+        with self._explain_write_errors(info.path):  # reads and writes the storage too
+            commit(info, self.world.rank, self.world.world_size, self._checkpoint_group)
         if self.world.is_rank_zero:
             logger.info("saved checkpoint %s", info.path)
             rotate(self.checkpoint_dir, self.checkpoint_parameters,
@@ -369,8 +392,8 @@ class CheckpointMixin(AbstractTrainer):
                 return
             self._load(path, weights_only=params.load_weights_only)
             return
-        path = Path(params.resume)
-        if not path.is_dir():
+        path = location(params.resume)
+        if not storage_for(path).is_dir(path):
             raise CheckpointError(f"resume={str(path)!r}: no checkpoint directory there "
                                   "(use 'latest' to continue this experiment)")
         if not is_complete(path):
@@ -378,7 +401,7 @@ class CheckpointMixin(AbstractTrainer):
                                   f"{METADATA} or {INFO}, so its save never finished")
         self.load_checkpoint(path, weights_only=params.load_weights_only)
 
-    def _latest_intact(self) -> Path | None:
+    def _latest_intact(self) -> Location | None:
         """The newest checkpoint that is complete and whose files are all there, whole and
         unchanged (every rank agrees; each checksums a share of the files)."""
         for info in reversed(complete_checkpoints(self.checkpoint_dir,
@@ -390,12 +413,12 @@ class CheckpointMixin(AbstractTrainer):
                 logger.warning("skipping %s: %s", info.path, problem)
         return None
 
-    def _verify(self, path: Path) -> str | None:
+    def _verify(self, path: Location) -> str | None:
         """What is wrong with the checkpoint at ``path`` on any rank, or None (collective)."""
         return find_problem(path, self.world.rank, self.world.world_size,
                             self._checkpoint_group)
 
-    def load_checkpoint(self, path: str | Path, weights_only: bool = False) -> None:
+    def load_checkpoint(self, path: str | Location, weights_only: bool = False) -> None:
         """Load a checkpoint written by any number of ranks (collective).
 
         Each rank restores the random generator streams saved by the rank of the same number;
@@ -407,13 +430,13 @@ class CheckpointMixin(AbstractTrainer):
             CheckpointError: naming a missing or truncated file, or the keys whose shapes
                 differ from this trainer's models.
         """
-        path = Path(path)
+        path = location(path)
         problem = self._verify(path)
         if problem is not None:
             raise CheckpointError(problem)
         self._load(path, weights_only)
 
-    def _load(self, path: Path, weights_only: bool) -> None:
+    def _load(self, path: Location, weights_only: bool) -> None:
         """Load a checkpoint already verified by ``_verify``."""
         from torch.distributed.checkpoint.api import CheckpointException
 
@@ -465,7 +488,7 @@ class CheckpointMixin(AbstractTrainer):
         set_rng_state(self._pending_rng)
         self._pending_rng = None
 
-    def _saved_config(self, path: Path) -> dict[str, Any] | None:
+    def _saved_config(self, path: Location) -> dict[str, Any] | None:
         """The checkpoint's config on rank 0 (which logs the changes), else None.
 
         It only serves the log of changes: a damaged ``config.json`` is reported, not fatal

@@ -1,0 +1,275 @@
+"""Checkpoints in an object store (``s3://bucket/prefix``, or any fsspec URL) through fsspec:
+DCP writes through its fsspec storage, and files are listed, read and deleted by the same
+client. Credentials and the endpoint come from the environment as boto3 reads them
+(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``AWS_ENDPOINT_URL``...):
+nothing here reads, stores or logs them.
+
+An object is written whole by one PUT, so a reader sees a file complete or not at all; a
+checkpoint is complete once its ``dream_trainer.json`` is written, last, as on a disk. The
+run lock is an object created with a conditional write (``If-None-Match: *``): of two runs,
+one creates it and the other is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from dataclasses import asdict
+from typing import IO, Any
+
+from dream_trainer.checkpoint.lock import LOCK, TAKEOVER, LockHolder
+from dream_trainer.checkpoint.storage import ObjectPath, RunLockLike, Storage
+from dream_trainer.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+
+# The environment that configures a client: a client made before it changed (a test's new
+# endpoint) is not reused.
+_CLIENT_ENVIRONMENT = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE",
+                       "AWS_ACCESS_KEY_ID", "AWS_DEFAULT_REGION", "AWS_REGION")
+
+
+def object_storage(path: ObjectPath) -> ObjectStorage:
+    """The storage of ``path``'s scheme (one client per scheme and environment).
+
+    Raises:
+        CheckpointError: if the scheme's fsspec implementation is not installed.
+    """
+    return _storage(path.url.split("://", 1)[0],
+                    tuple(os.environ.get(name) for name in _CLIENT_ENVIRONMENT))
+
+
+@functools.cache
+def _storage(scheme: str, environment: tuple[str | None, ...]) -> ObjectStorage:
+    import fsspec
+
+    try:
+        filesystem = fsspec.get_filesystem_class(scheme)
+    except ImportError as exc:
+        extra = " (pip install 'dream-trainer[s3]')" if scheme in ("s3", "s3a") else ""
+        raise CheckpointError(f"checkpoints at {scheme}:// URLs need fsspec's {scheme} "
+                              f"filesystem, which is not installed{extra}: {exc}") from exc
+    # fsspec caches clients by their arguments, not the environment they were made in: the
+    # ones DCP's writer gets must not predate this one.
+    filesystem.clear_instance_cache()
+    # Listings are never cached: other ranks and runs write the same prefixes.
+    return ObjectStorage(filesystem(use_listings_cache=False))
+
+
+def _failures() -> tuple[type[BaseException], ...]:
+    try:
+        from botocore.exceptions import BotoCoreError
+    except ImportError:
+        return (OSError,)
+    return (OSError, BotoCoreError)
+
+
+class ObjectStorage(Storage):
+    """An fsspec filesystem: an object store whose keys ``/`` divides into directories."""
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+        self.failures = _failures()
+
+    def is_file(self, path: ObjectPath) -> bool:
+        return bool(self.fs.isfile(path.url))
+
+    def is_dir(self, path: ObjectPath) -> bool:
+        return bool(self.fs.isdir(path.url))
+
+    def list_dir(self, path: ObjectPath) -> list[tuple[str, bool]]:
+        try:
+            entries = self.fs.ls(path.url, detail=True)
+        except FileNotFoundError as exc:
+            if _no_bucket(exc):
+                raise
+            return []
+        return [(entry["name"].rstrip("/").rsplit("/", 1)[-1], entry["type"] == "directory")
+                for entry in entries]
+
+    def read_bytes(self, path: ObjectPath) -> bytes:
+        return bytes(self.fs.cat_file(path.url))
+
+    def write_bytes(self, path: ObjectPath, data: bytes) -> None:
+        self.fs.pipe_file(path.url, data)
+
+    def make_dir(self, path: ObjectPath) -> None:
+        """Nothing to do: a key's prefixes exist as soon as it does."""
+
+    def remove_tree(self, path: ObjectPath) -> None:
+        try:
+            self.fs.rm(path.url, recursive=True)
+        except (FileNotFoundError, *self.failures) as exc:
+            logger.warning("could not delete %s (retention tries again at the next save): %s",
+                           path, self.advice(path, exc) or exc)
+
+    def file_size(self, path: ObjectPath) -> int:
+        try:
+            info = self.fs.info(path.url)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {path} is missing") from None
+        if info.get("type") != "file":
+            raise CheckpointError(f"checkpoint file {path} is not a regular file")
+        return int(info["size"])
+
+    def open(self, path: ObjectPath) -> IO[bytes]:
+        try:
+            return self.fs.open(path.url, "rb")  # type: ignore[no-any-return]
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {path} is missing") from None
+
+    def open_size(self, file: IO[bytes]) -> int:
+        return int(file.size)  # type: ignore[attr-defined]
+
+    def writer(self, path: ObjectPath) -> Any:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        # An object is durable once its upload completes; syncing would os.sync() the host.
+        return FsspecWriter(path.url, sync_files=False)
+
+    def lock(self, directory: ObjectPath) -> RunLockLike:
+        return ObjectLock(self, directory)
+
+    def advice(self, path: ObjectPath, exc: BaseException) -> str | None:
+        """What ``exc`` from an operation on ``path`` means and the fix, or None."""
+        bucket = path.url.split("://", 1)[1].split("/", 1)[0]
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        where = f"the endpoint {endpoint} (AWS_ENDPOINT_URL)" if endpoint \
+            else "the default AWS endpoint (set AWS_ENDPOINT_URL for another S3 service)"
+        name = type(exc).__name__
+        if isinstance(exc, FileNotFoundError) and _no_bucket(exc):
+            return (f"the bucket {bucket!r} of {path} does not exist at {where}: create it, "
+                    "or correct the URL")
+        if isinstance(exc, PermissionError):
+            return (f"access to {path} was denied: give the credentials in the environment "
+                    "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) permission to "
+                    f"list, read, write and delete under it ({exc})")
+        if "Credentials" in name:
+            return (f"no credentials to reach {path}: set AWS_ACCESS_KEY_ID and "
+                    "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment")
+        if "Connect" in name or "Connection" in str(exc) or isinstance(exc, ConnectionError):
+            return (f"cannot reach {where} to write or read {path}: check the network and "
+                    "the endpoint")
+        return None
+
+
+def _no_bucket(exc: BaseException) -> bool:
+    return "bucket" in str(exc).lower()
+
+
+class ObjectLock:
+    """One run at a time per experiment in an object store: ``<directory>/.lock`` created by a
+    conditional write, holding the same record as ``checkpoint.lock.RunLock``'s file.
+
+    The store cannot tell whether a holder still runs. A record naming a dead process on
+    this kernel (a killed run restarted on the same machine) is taken over through the
+    conditional creation of ``.lock.takeover``, so that of several runs exactly one wins;
+    a holder on another machine is refused: delete the lock object once that run is gone.
+
+    Args:
+        storage: The object store.
+        directory: The experiment's checkpoint directory.
+    """
+
+    def __init__(self, storage: ObjectStorage, directory: ObjectPath) -> None:
+        self.storage = storage
+        self.path = directory / LOCK
+        self.holder = LockHolder.this_process()
+        self.held = False
+
+    def acquire(self) -> None:
+        """Take the lock.
+
+        Raises:
+            CheckpointError: naming the holder if another run holds it, or the URL and the
+                fix if the store cannot be written.
+        """
+        try:
+            if not self._create(self.path):
+                self._take_over()
+        except self.storage.failures as exc:
+            raise CheckpointError(f"cannot take the run lock {self.path}: "
+                                  f"{self.storage.explain(self.path, exc)}") from exc
+        self.held = True
+
+    def release(self) -> None:
+        """Delete the lock object if this run still holds it."""
+        if not self.held:
+            return
+        self.held = False
+        try:
+            if self._read() == self.holder:
+                self.storage.fs.rm_file(self.path.url)
+        except self.storage.failures as exc:
+            logger.warning("could not release the run lock %s: %s", self.path,
+                           self.storage.explain(self.path, exc))
+
+    def _create(self, path: ObjectPath) -> bool:
+        """Write this run's record to ``path`` if no object is there; whether it was."""
+        try:
+            self.storage.fs.pipe_file(path.url, json.dumps(asdict(self.holder)).encode(),
+                                      mode="create")
+        except FileExistsError:
+            return False
+        return True
+
+    def _read(self) -> LockHolder | str | None:
+        try:
+            return LockHolder.parse(self.storage.read_bytes(self.path).decode())
+        except FileNotFoundError:
+            return None
+        except ValueError as exc:  # includes UnicodeDecodeError
+            return f"the lock object {self.path} is unreadable ({exc})"
+
+    def _take_over(self) -> None:
+        current = self._read()
+        if current is None:  # released meanwhile
+            if self._create(self.path):
+                return
+            current = self._read()
+        if not isinstance(current, LockHolder) or not (
+                current.is_alive(self.holder) is False or self._mine(current)):
+            raise self._refusal(current)
+        marker = self.path.parent / TAKEOVER
+        if not self._create(marker):
+            raise CheckpointError(
+                f"another run is taking over the lock on {self.path.parent} at this moment "
+                f"(from {current.describe()}); if none is, delete {marker}")
+        try:
+            # Only the record judged dead is replaced: a run that came first replaced it.
+            if self._read() != current:
+                raise self._refusal(self._read())
+            if self._mine(current):
+                logger.info("taking over the lock an earlier trainer of this process left")
+            elif current.same_launcher(self.holder):
+                logger.info("taking over the lock of an earlier worker of this run (%s)",
+                            current.describe())
+            else:
+                logger.warning("taking over the lock on %s from a run that is no longer "
+                               "running (%s)", self.path.parent, current.describe())
+            self.storage.write_bytes(self.path, json.dumps(asdict(self.holder)).encode())
+        finally:
+            self.storage.fs.rm_file(marker.url)
+
+    def _mine(self, current: LockHolder) -> bool:
+        """Whether ``current`` is this very process: an earlier trainer of it that could not
+        delete its lock (the store was unreachable when it ended)."""
+        return current.unverifiable(self.holder) is None and current.pid == self.holder.pid \
+            and current.process_start == self.holder.process_start
+
+    def _refusal(self, current: LockHolder | str | None) -> CheckpointError:
+        if isinstance(current, LockHolder):
+            why = current.unverifiable(self.holder)
+            holder = current.describe() + ("" if why is None else
+                                           f" ({why}, so whether it still runs cannot be "
+                                           "checked from here)")
+        else:
+            holder = current or "its record is gone (its holder was releasing it)"
+        return CheckpointError(
+            f"another run holds the lock on {self.path.parent}: {holder}. Two runs writing "
+            "one experiment's checkpoints would delete and resume each other's: stop that "
+            f"run, use another experiment name or root_dir, or delete {self.path} if that run "
+            "is gone")
