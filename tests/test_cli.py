@@ -212,6 +212,44 @@ def test_summarize_shows_each_pipeline_stage(tmp_path: Path) -> None:
     assert "pipeline_schedule" in out and "pipeline_microbatches" in out  # TrainerSummary
 
 
+@pytest.mark.distributed
+def test_summarize_shows_the_context_parallel_layout(tmp_path: Path) -> None:
+    # The data-parallel degrees at their defaults: cp=2 takes both ranks, and FSDP2 shards
+    # the weights over the cp ranks (dp_shard x cp) although there is no data parallelism.
+    result = check(subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "dream_trainer", "summarize", TARGET, "--device_parameters.context_parallel",
+         "2"], env=child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240))
+    out = result.stdout
+    assert out.count("== world ==") == 1, out
+    assert "mesh: cp=2; data parallel: none\n" in out
+    assert ("context parallel: each sequence split over 2 ranks along dim 1 into 4 chunks "
+            "(load balanced: rank r holds chunks r and 3-r); FSDP2 shards the weights over "
+            "dp_shard x cp = 2 ranks") in out
+    assert f"model: FSDP2, float32, {PARAMETERS} parameters" in out
+    rows = {line.split()[1]: line.split()[3] for line in out.splitlines()
+            if line.startswith("│ context_parallel")}
+    assert rows == {"context_parallel": "2", "context_parallel_seq_dim": "1",
+                    "context_parallel_load_balance": "True"}
+
+
+def test_the_context_parallel_line_names_each_ranks_chunks() -> None:
+    from dream_trainer.cli.summarize import _context
+    from dream_trainer.configs import DeviceParameters
+    from dream_trainer.world.dims import ParallelDims
+
+    dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=4, tp=1)
+    device = DeviceParameters(dp_shard=2, context_parallel=4, context_parallel_seq_dim=2,
+                              context_parallel_load_balance=False)
+    assert _context(dims, device) == (
+        "context parallel: each sequence split over 4 ranks along dim 2 into 4 chunks "
+        "(contiguous: rank r holds chunk r); FSDP2 shards the weights over dp_shard x cp = 8 "
+        "ranks")
+    balanced = device.model_copy(update={"context_parallel_load_balance": True})
+    assert "into 8 chunks (load balanced: rank r holds chunks r and 7-r)" in \
+        _context(dims, balanced)
+
+
 def test_export_command_writes_loadable_weights(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trainer = CheckpointedTrainer(checkpointed_config(tmp_path, resume=None))

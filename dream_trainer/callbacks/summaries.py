@@ -179,6 +179,10 @@ class TrainerSummary(RankZeroCallback[BaseTrainer]):
             "param_dtype": str(device.param_dtype).removeprefix("torch."),
             "reduce_dtype": str(device.reduce_dtype).removeprefix("torch."),
         }
+        if dims.cp > 1:
+            self.summary.update({
+                "context_parallel_seq_dim": device.context_parallel_seq_dim,
+                "context_parallel_load_balance": device.context_parallel_load_balance})
         if dims.pp > 1:
             self.summary.update({"pipeline_schedule": device.pipeline_schedule,
                                  "pipeline_stages": dims.pp_stages,

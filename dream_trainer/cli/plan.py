@@ -12,8 +12,10 @@ from pydantic import ValidationError
 
 from dream_trainer.cli.arguments import add_target, positive_int
 from dream_trainer.cli.target import TargetError, load_trainer
-from dream_trainer.planning.report import MEASURED, SizePlan, parse_size, table, to_json
+from dream_trainer.planning.report import (CONTEXT_PARALLEL, MEASURED, SizePlan, parse_size,
+                                           table, to_json)
 from dream_trainer.planning.simulate import describe_failure, plan_rank
+from dream_trainer.world.dims import MeshAxis
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -64,6 +66,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
               f"{'es' if first.micro_batches > 1 else ''} from {first.batch_source})")
         print(table(plans, device_memory))
         print("\n" + textwrap.fill(MEASURED, width=100))
+        if any(MeshAxis.CP.value in plan.mesh for plan in plans):
+            print("\n" + textwrap.fill(CONTEXT_PARALLEL, width=100))
     too_big = any(plan.fits(device_memory) is False for plan in plans)
     return 1 if failed or too_big else 0
 

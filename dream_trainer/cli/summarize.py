@@ -13,10 +13,11 @@ from torch import nn
 from dream_trainer.callbacks.summaries import ModelSummary, TrainerSummary
 from dream_trainer.cli.arguments import add_target, non_negative_int
 from dream_trainer.cli.target import load_trainer
+from dream_trainer.configs.device import DeviceParameters
 from dream_trainer.parallel.pipeline import PipelineStages, describe_stage
 from dream_trainer.planning.session import attach, sandboxed, set_up
 from dream_trainer.trainer.base import BaseTrainer
-from dream_trainer.world.dims import MeshAxis
+from dream_trainer.world.dims import MeshAxis, ParallelDims
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -68,8 +69,23 @@ def _world(trainer: BaseTrainer) -> str:
             else "none (every degree is 1)")
     data_parallel = (f"{trainer.data_parallel.name} over {world.dp_size} ranks"
                      if world.dp_size > 1 else "none")
-    return (f"world size {world.world_size}, device {world.device}, backend {world.backend}\n"
-            f"mesh: {mesh}; data parallel: {data_parallel}")
+    lines = [f"world size {world.world_size}, device {world.device}, backend {world.backend}",
+             f"mesh: {mesh}; data parallel: {data_parallel}"]
+    if world.dims.cp > 1:
+        lines.append(_context(world.dims, trainer.config.device_parameters))
+    return "\n".join(lines)
+
+
+def _context(dims: ParallelDims, device: DeviceParameters) -> str:
+    """How context parallelism splits each sequence, and what FSDP2 shards over with it."""
+    cp = dims.cp
+    if device.context_parallel_load_balance:
+        chunks, held = 2 * cp, f"load balanced: rank r holds chunks r and {2 * cp - 1}-r"
+    else:
+        chunks, held = cp, "contiguous: rank r holds chunk r"
+    return (f"context parallel: each sequence split over {cp} ranks along dim "
+            f"{device.context_parallel_seq_dim} into {chunks} chunks ({held}); FSDP2 shards "
+            f"the weights over dp_shard x cp = {dims.fsdp} ranks")
 
 
 def _model(name: str, model: nn.Module, summary: ModelSummary) -> str:

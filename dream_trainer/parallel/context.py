@@ -12,8 +12,9 @@ Why an all-gather rather than a ring: it is Llama 3's design for long-context tr
 runs any SDPA kernel unchanged (the CPU kernels included, which torch's ring implementation
 does not dispatch), its result is the one-process attention with no merging of partial
 softmaxes, and one collective per layer overlaps poorly only at very long sequences, where
-a ring would win. The cost is memory: each rank holds the whole sequence's keys and values
-of one layer at a time, next to its own share of everything else.
+a ring would win. The cost is memory: each rank keeps every layer's gathered keys and values
+(the whole sequence's) for backward, next to its own share of everything else (recomputed
+instead under activation checkpointing).
 """
 
 from __future__ import annotations
@@ -43,10 +44,15 @@ def sequence_positions(length: int, cp: int, rank: int, balanced: bool) -> torch
     """The positions of a ``length``-long sequence that context-parallel rank ``rank`` of
     ``cp`` holds, in the order it holds them: chunks ``rank`` and ``2cp-1-rank`` of ``2cp``
     when ``balanced``, else chunk ``rank`` of ``cp``."""
-    chunks = 2 * cp if balanced else cp
-    size = length // chunks
-    held = (rank, chunks - 1 - rank) if balanced else (rank,)
-    return torch.cat([torch.arange(chunk * size, (chunk + 1) * size) for chunk in held])
+    size = length // (2 * cp if balanced else cp)
+    return torch.cat([torch.arange(chunk * size, (chunk + 1) * size)
+                      for chunk in held_chunks(cp, rank, balanced)])
+
+
+def held_chunks(cp: int, rank: int, balanced: bool) -> tuple[int, ...]:
+    """The chunks context-parallel rank ``rank`` of ``cp`` holds, in its order: ``rank`` and
+    ``2cp-1-rank`` of ``2cp`` when ``balanced``, else ``rank`` of ``cp``."""
+    return (rank, 2 * cp - 1 - rank) if balanced else (rank,)
 
 
 def split_problem(length: int, cp: int, balanced: bool) -> str | None:
@@ -75,8 +81,8 @@ class SequenceSplit:
         """Where each position's key is among the gathered ones (rank order)."""
         chunks = 2 * cp if balanced else cp
         self.chunk = length // chunks
-        self.starts = [int(self.local[i * self.chunk])
-                       for i in range(len(self.local) // self.chunk)]
+        # From the chunk numbers, not read back from ``local``: a plan's tensors have no values.
+        self.starts = [chunk * self.chunk for chunk in held_chunks(cp, rank, balanced)]
         """The first position of each chunk this rank holds, in its order."""
 
     def take(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:

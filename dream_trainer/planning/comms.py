@@ -50,7 +50,24 @@ def group_axes(world: DistributedWorld) -> dict[str, str]:
             dp_shard = world.get_mesh(MeshAxis.DP_SHARD)
             assert dp_shard is not None
             axes[dp_shard.get_group().group_name] = MeshAxis.DP_SHARD.value
+        if world.dims.cp > 1:
+            _name_context_views(world, axes)
     return axes
+
+
+def _name_context_views(world: DistributedWorld, axes: dict[str, str]) -> None:
+    """Name the flattened views of context parallelism: ``dp_cp`` (metrics), then
+    ``dp_shard_cp`` (FSDP2's shards), which wins where the two are one group.
+
+    Either may span every rank and so be the default group. A view whose group is a mesh
+    axis's own (on a mesh of cp alone, torch gives both the default group) keeps that axis's
+    name: FSDP2's traffic then shares the ``cp`` axis with attention's keys and values.
+    """
+    dims = {axis.value for axis, _ in world.dims.mesh_axes()}
+    for view in (MeshAxis.DP_CP, MeshAxis.DP_SHARD_CP):
+        group = world.get_group(view)
+        if group is not None and axes.get(group.group_name) not in dims:
+            axes[group.group_name] = view.value
 
 
 class AxisCommMode(CommDebugMode):

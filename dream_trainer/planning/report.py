@@ -25,6 +25,16 @@ MEASURED = (
     "to the busiest expert's activations and all-to-all bytes)."
 )
 
+CONTEXT_PARALLEL = (
+    "Under context parallelism the cp axis carries attention's all-gathers of every layer's "
+    "keys and values (each buffer the whole sequence's; again when activation checkpointing "
+    "recomputes them), the reduce-scatters of their gradients in backward (a run on gloo "
+    "all-reduces them instead, the same bytes) and one all-reduce of the loss per "
+    "micro-batch. FSDP2's traffic is on dp_shard_cp, or on cp where the two are one process "
+    "group (a mesh of cp alone). The activations include the gathered keys and values that "
+    "attention keeps for backward (every layer's, unless activations are checkpointed)."
+)
+
 
 @dataclass
 class RankPlan:
