@@ -7,9 +7,11 @@ weights are stored stacked, ``[num_experts, ...]``, so that they shard along the
 dimension. Two ways to balance the load, usable together:
 
 - the auxiliary loss ``aux_loss`` (DeepSeek's form, ``aux_loss_weight * sum_i f_i * P_i``,
-  with ``f_i`` the share of the call's routing slots expert ``i`` received, scaled so that a
-  uniform load gives 1, and ``P_i`` its mean routing probability), computed at each call for
-  the caller to add to its loss;
+  with ``f_i`` the share of the routing slots expert ``i`` received, scaled so that a uniform
+  load gives 1, and ``P_i`` its mean routing probability over the call's tokens), computed at
+  each call for the caller to add to its loss; ``f_i`` counts the call's slots
+  (``aux_loss_scope="micro_batch"``) or those of the whole previous optimizer step, every
+  micro-batch on every rank that holds different tokens (``"global_batch"``);
 - DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores for the
   choice of experts only (never to the weights), moved after each optimizer step by
   ``bias_update_rate`` towards the under-loaded experts, from the token counts of the whole
@@ -21,6 +23,7 @@ dimension. Two ways to balance the load, usable together:
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any, Literal
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ScoreFunc = Literal["softmax", "sigmoid"]
+AuxLossScope = Literal["micro_batch", "global_batch"]
 
 _BALANCED = ContextVar("dream_trainer_balanced_routing", default=False)
 _UNCOUNTED = ContextVar("dream_trainer_uncounted_load", default=False)
@@ -70,15 +74,22 @@ class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU networks with stacked weights: ``w1``/``w3`` are
     ``[num_experts, dim, hidden_dim]``, ``w2`` is ``[num_experts, hidden_dim, dim]``.
 
+    In bfloat16 and float16 the experts run as three grouped matrix products
+    (``torch.nn.functional.grouped_mm``), each expert's rows padded with zero rows to the
+    kernel's alignment; in float32 (and on an older torch) one expert after another. Both give
+    the same values (``grouped_mm_alignment`` says which runs).
+
     Args:
         dim: Width of the tokens.
         hidden_dim: Width of each expert's hidden layer.
         num_experts: How many experts.
+        use_grouped_mm: False runs the loop whatever the dtype (to compare the two).
     """
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int) -> None:
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int,
+                 use_grouped_mm: bool = True) -> None:
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts, self.use_grouped_mm = num_experts, use_grouped_mm
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
@@ -97,16 +108,66 @@ class GroupedExperts(nn.Module):
         ``0..e-1`` (tokens sorted by expert). Under expert parallelism the weights are this
         rank's experts only, and ``counts`` has one entry per local expert.
 
-        An expert without rows still runs (on no rows), so that its weights get a zero
-        gradient rather than none: data-parallel ranks reduce the same set of gradients.
-        ``grad_scale`` multiplies the weights' gradients (not the output).
+        Every expert's weights get a gradient, zero for an expert without rows: data-parallel
+        ranks reduce the same set of gradients. ``grad_scale`` multiplies the weights'
+        gradients (not the output).
         """
         w1, w2, w3 = (_local(weight) for weight in (self.w1, self.w2, self.w3))
         if grad_scale != 1.0:
             w1, w2, w3 = (_ScaleGradient.apply(weight, grad_scale) for weight in (w1, w2, w3))
-        outputs = [(F.silu(chunk @ w1[expert]) * (chunk @ w3[expert])) @ w2[expert]
-                   for expert, chunk in enumerate(tokens.split(counts))]
-        return torch.cat(outputs)
+        alignment = grouped_mm_alignment(tokens, w1) if self.use_grouped_mm else None
+        if alignment is None:
+            # An expert without rows still runs (on no rows), so that it gets a gradient.
+            outputs = [(F.silu(chunk @ w1[expert]) * (chunk @ w3[expert])) @ w2[expert]
+                       for expert, chunk in enumerate(tokens.split(counts))]
+            return torch.cat(outputs)
+        rows, offsets, padded_rows = _padded_groups(counts, alignment, tokens.device)
+        padded = tokens.new_zeros(padded_rows, tokens.shape[-1]).index_copy(0, rows, tokens)
+        # Zero rows stay zero through silu(0) * 0 and add nothing to the weights' gradients.
+        hidden = (F.silu(F.grouped_mm(padded, w1, offs=offsets))
+                  * F.grouped_mm(padded, w3, offs=offsets))
+        return F.grouped_mm(hidden, w2, offs=offsets).index_select(0, rows)
+
+
+_GROUPED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def grouped_mm_alignment(tokens: torch.Tensor, weight: torch.Tensor) -> int | None:
+    """The multiple of rows each expert's group is padded to when ``GroupedExperts`` runs
+    ``tokens`` (``[rows, dim]``) through ``weight`` (``[experts, dim, hidden_dim]``) as grouped
+    matrix products, or None when it runs the experts one after another.
+
+    Grouped for bfloat16 and float16 tokens and weights on the CPU or CUDA, when ``dim`` and
+    ``hidden_dim`` are multiples of 16 bytes (torch's kernels refuse other strides). float32
+    loops: torch's CPU kernel is a loop of matrix products itself, and on CUDA float32 takes
+    torch's fallback, a loop after a host sync; only bfloat16 has the fast CUDA kernel.
+    """
+    if (tokens.dtype not in _GROUPED_DTYPES or weight.dtype != tokens.dtype
+            or tokens.device.type not in ("cpu", "cuda") or not hasattr(F, "grouped_mm")):
+        return None
+    alignment = 16 // tokens.element_size()  # elements in the 16 bytes the kernels align to
+    if tokens.shape[-1] % alignment or weight.shape[-1] % alignment:
+        return None
+    return alignment
+
+
+def _padded_groups(counts: list[int], alignment: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(rows, offsets, padded_rows)``: where each of the ``sum(counts)`` sorted rows goes
+    when every expert's group is padded to a multiple of ``alignment`` rows, each group's end
+    (``int32``, for ``grouped_mm``'s ``offs``), and the padded total."""
+    # The weight-gradient products reduce along the rows, so a group's start is a stride of
+    # the reduced dimension: CUDA's bf16 kernel wanted it 16-byte aligned (torchtitan pads to
+    # 8 rows; its newer releases say torch no longer needs it) and has hung on an empty group
+    # (pytorch#150374). Zero rows are free of effect, so every expert gets at least one block.
+    sizes = [max(alignment, -(-count // alignment) * alignment) for count in counts]
+    ends = list(itertools.accumulate(sizes))
+    shifts = [end - size - start for end, size, start
+              in zip(ends, sizes, itertools.accumulate([0, *counts[:-1]]))]
+    total = sum(counts)
+    rows = torch.arange(total, device=device) + torch.tensor(shifts, device=device)\
+        .repeat_interleave(torch.tensor(counts, device=device), output_size=total)
+    return rows, torch.tensor(ends, dtype=torch.int32, device=device), ends[-1]
 
 
 class MoE(nn.Module):
@@ -126,24 +187,36 @@ class MoE(nn.Module):
         bias_update_rate: Step of the auxiliary-loss-free balancing bias per optimizer step
             (None: no bias; the buffer ``expert_bias`` exists, and is checkpointed, only
             when this is set).
+        aux_loss_scope: Whose expert loads ``f_i`` the auxiliary loss weighs: the call's own
+            (``"micro_batch"``, the default: the loss then depends on how the batch is split
+            over micro-batches and ranks), or the previous optimizer step's, summed over its
+            micro-batches and the data- and context-parallel ranks (``"global_batch"``:
+            Qwen's global-batch balancing, the same on every layout; kept in the buffer
+            ``global_load``, checkpointed; uniform before the first step).
 
     Raises:
-        ValueError: for a ``top_k`` outside ``1..num_experts`` or an unknown ``score_func``.
+        ValueError: for a ``top_k`` outside ``1..num_experts``, an unknown ``score_func`` or
+            ``aux_loss_scope``.
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *,
                  score_func: ScoreFunc = "softmax", normalize_scores: bool = False,
                  num_shared_experts: int = 0, aux_loss_weight: float = 0.0,
-                 bias_update_rate: float | None = None) -> None:
+                 bias_update_rate: float | None = None,
+                 aux_loss_scope: AuxLossScope = "micro_batch") -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"MoE: top_k={top_k} must be between 1 and num_experts="
                              f"{num_experts}")
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"MoE: score_func={score_func!r} is not 'softmax' or 'sigmoid'")
+        if aux_loss_scope not in ("micro_batch", "global_batch"):
+            raise ValueError(f"MoE: aux_loss_scope={aux_loss_scope!r} is not 'micro_batch' or "
+                             "'global_batch'")
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.normalize_scores = score_func, normalize_scores
         self.aux_loss_weight, self.bias_update_rate = aux_loss_weight, bias_update_rate
+        self.aux_loss_scope = aux_loss_scope
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
         self.shared_experts = _SwiGLU(dim, hidden_dim * num_shared_experts) \
@@ -152,6 +225,10 @@ class MoE(nn.Module):
         self._load: torch.Tensor | None = None
         if bias_update_rate is not None:
             self.register_buffer("expert_bias", torch.zeros(num_experts))
+        if aux_loss_scope == "global_batch":
+            # The same on every rank (summed over them), so DDP's broadcast of buffers is
+            # harmless; a buffer so that a resumed run weighs its first step as it would have.
+            self.register_buffer("global_load", torch.zeros(num_experts))
         self.ep_group: Any | None = None
         """The expert-parallel process group when the experts are sharded over ranks (set by
         ``SetupMixin.apply_expert_parallel``), else None."""
@@ -172,12 +249,14 @@ class MoE(nn.Module):
         self._load = counts.detach().float()
 
     def reset_parameters(self) -> None:
-        """Zero the balancing bias and forget the load counts (the router and the experts
-        reset their own weights)."""
+        """Zero the balancing bias, forget the load counts and the previous step's load (the
+        router and the experts reset their own weights)."""
         self._load = None
-        if self.bias_update_rate is not None:
-            with torch.no_grad():
+        with torch.no_grad():
+            if self.bias_update_rate is not None:
                 self.expert_bias.zero_()
+            if self.aux_loss_scope == "global_batch":
+                self.global_load.zero_()
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(experts, weights, scores)`` for ``tokens`` (``[T, dim]``): each token's chosen
@@ -261,8 +340,12 @@ class MoE(nn.Module):
     def _aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if not self.aux_loss_weight:
             return scores.new_zeros(())
-        n_tokens = scores.shape[0]
-        load = counts.float() * self.num_experts / (self.top_k * n_tokens)  # f_i, no gradient
+        if self.aux_loss_scope == "micro_batch":
+            load = counts.float() * self.num_experts / (self.top_k * scores.shape[0])
+        else:  # f_i from the step before, a constant here; uniform while there was none
+            total = self.global_load.sum()
+            load = torch.where(total > 0, self.global_load * self.num_experts
+                               / total.clamp_min(1), torch.ones_like(self.global_load))
         probability = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)  # P_i
         return self.aux_loss_weight * (load * probability).sum()
 
@@ -270,17 +353,21 @@ class MoE(nn.Module):
     def update_bias(self, group: Any | None = None) -> None:
         """Move ``expert_bias`` by ``bias_update_rate`` towards the experts that received
         fewer routing slots than the mean since the last update (away from those above),
-        then reset the counts. With ``group``, the counts are first summed over its ranks
-        (a collective), so that every rank moves its bias by the whole batch's load. Without
-        bias balancing only the counts are reset.
+        keep those counts as ``global_load`` with ``aux_loss_scope="global_batch"``, then
+        reset the counts. With ``group``, the counts are first summed over its ranks (a
+        collective), so that every rank uses the whole batch's load. Without bias balancing
+        or a global auxiliary loss only the counts are reset (no collective).
         """
-        if self.bias_update_rate is not None:
+        if self.bias_update_rate is not None or self.aux_loss_scope == "global_batch":
             counts = self.tokens_per_expert.clone()
             if group is not None:
                 import torch.distributed as dist
 
                 dist.all_reduce(counts, group=group)
-            self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts)
+            if self.bias_update_rate is not None:
+                self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts)
+            if self.aux_loss_scope == "global_batch":
+                self.global_load.copy_(counts)
         self._load = None
 
 

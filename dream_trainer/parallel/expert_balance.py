@@ -1,5 +1,6 @@
 """The step's ``after_update`` action of mixture-of-experts models: every ``MoE`` layer moves
-its balancing bias by the whole step's expert load."""
+its balancing bias by the whole step's expert load (and keeps that load for a global-batch
+auxiliary loss)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from dream_trainer.world.world import DistributedWorld
 
 
 class ExpertBalancing:
-    """``ExpertBalancing(world)(model, optimizer)`` updates the bias of each ``MoE`` layer of
-    ``model`` by the load of every micro-batch on every rank that holds different tokens
-    (one process's batch); added to the step only when a model has such layers (``of``).
+    """``ExpertBalancing(world)(model, optimizer)`` updates the bias (and the ``global_load``
+    of a global-batch auxiliary loss) of each ``MoE`` layer of ``model`` by the load of every
+    micro-batch on every rank that holds different tokens (one process's batch); added to
+    the step only when a model has such layers (``of``).
 
     Args:
         world: The run's topology: the load is summed over its ``batch_mesh`` (the
