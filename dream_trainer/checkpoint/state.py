@@ -27,6 +27,7 @@ from torch import nn
 from dream_trainer.checkpoint.layout import CheckpointError
 from dream_trainer.checkpoint.rng import rng_state
 from dream_trainer.checkpoint.trust import load_item
+from dream_trainer.parallel.state_dict import load_model_state_dict, model_state_dict
 from dream_trainer.trainer.phases import call_through
 
 if TYPE_CHECKING:
@@ -160,9 +161,10 @@ def optimizer_owner(trainer: AbstractTrainer, name: str,
 class TrainingState:
     """Models, optimizers, schedulers, trainer counters and callbacks, and per-rank state.
 
-    Model and optimizer states come from ``get_model_state_dict``/``get_optimizer_state_dict``,
-    so they are keyed by parameter name and sharded as the model is (DDP, FSDP2, TP), which
-    lets DCP load them into a different number of ranks.
+    Model and optimizer states come from ``model_state_dict`` (torch's
+    ``get_model_state_dict``, or the model's own keys where a state-dict hook renames them)
+    and ``get_optimizer_state_dict``, so they are keyed by parameter name and sharded as the
+    model is (DDP, FSDP2, TP), which lets DCP load them into a different number of ranks.
 
     Optimizer states are flattened (one entry per parameter and setting, e.g.
     ``param_groups.layers.0.w.lr``) when ``flat_optimizers``: pipeline stages hold different
@@ -212,11 +214,10 @@ class TrainingState:
     # import. DCP recognizes this class as its Stateful protocol by its two methods.
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                             get_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         trainer = self.trainer
-        state: dict[str, Any] = {"models": {name: get_model_state_dict(model)
+        state: dict[str, Any] = {"models": {name: model_state_dict(model)
                                             for name, model in trainer.named_models().items()}}
         if self.weights_only:
             return state
@@ -278,12 +279,11 @@ class TrainingState:
         return targets
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         trainer = self.trainer
         for name, model in trainer.named_models().items():
-            set_model_state_dict(model, state_dict["models"][name])
+            load_model_state_dict(model, state_dict["models"][name])
         if self.weights_only:
             return
         options = self._options()
