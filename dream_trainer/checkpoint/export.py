@@ -1,29 +1,41 @@
-"""Turning a (sharded) checkpoint into safetensors weights: one file per model, or the
-Hugging Face layout (written with ``dream_trainer.weights.hf``)."""
+"""Turning a (sharded) checkpoint, or the models of a running trainer, into safetensors
+weights: one file per model, or the Hugging Face layout (written with
+``dream_trainer.weights.hf``). Checkpoints and targets may be local directories or
+object-store URLs (``s3://bucket/prefix``), through the storage seam (``checkpoint.storage``).
+"""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from dream_trainer.checkpoint.layout import (METADATA, MODEL_PREFIX, CheckpointError,
                                              is_complete, verify_files)
+from dream_trainer.checkpoint.storage import Location, below, location, storage_for
 from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.utils.paths import component_problem
-from dream_trainer.weights.hf import (DEFAULT_MAX_SHARD_BYTES, ExportFormat, check_out_dir,
-                                      export_paths, exported_names, plan_shards,
-                                      replace_weights, shard_file_names, write_index)
+from dream_trainer.weights.hf import (DEFAULT_MAX_SHARD_BYTES, ExportFormat, KeyMap,
+                                      check_out_dir, export_live, export_paths, exported_names,
+                                      exported_state, is_weight_file, plan_shards,
+                                      replace_weights, shard_file_names, write_index,
+                                      write_model_config)
+from dream_trainer.world.agree import barrier, from_rank_zero, is_rank_zero
+
+_STAGING = ".export.partial"
+"""Where a live export to an object store saves the ranks' slices before rank 0 joins them."""
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
+def export_checkpoint(checkpoint: str | Path | Location, out_dir: str | Path | Location,
                       format: ExportFormat = "safetensors", dtype: torch.dtype | None = None,
                       map_key: Callable[[str, str], str | None] | None = None,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                      overwrite: bool = False) -> dict[str, Path]:
+                      overwrite: bool = False) -> dict[str, Location]:
     """Write the weights of every model in ``checkpoint`` as safetensors, inside ``out_dir``.
 
     ``"safetensors"`` writes ``<out_dir>/<model>.safetensors`` with the model's own keys.
@@ -34,8 +46,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
     model weights are read, one output file at a time (peak memory: the largest file).
 
     Args:
-        checkpoint: A complete ``step_<N>`` checkpoint directory.
-        out_dir: Where to write; created when missing. It must be empty unless
+        checkpoint: A complete ``step_<N>`` checkpoint directory, or its URL.
+        out_dir: Where to write (a directory, created when missing, or a URL: the files are
+            written in a temporary directory, then uploaded). It must be empty unless
             ``overwrite`` is set.
         format: ``"safetensors"`` or ``"hf"``.
         dtype: Cast floating tensors to it (``torch.bfloat16``); None keeps the saved dtype.
@@ -50,20 +63,25 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
 
     Raises:
         CheckpointError: if the checkpoint is incomplete or damaged, holds no weights, or
-            names a model that is not a plain file name.
+            names a model that is not a plain file name; or if an object store cannot be
+            read or written (naming the URL and the fix).
         FileExistsError: if ``out_dir`` is not empty and ``overwrite`` is False.
         ValueError: for an unknown format, or two keys mapped to the same name.
     """
     if format not in ("hf", "safetensors"):
         raise ValueError(f"format={format!r}: expected 'safetensors' (one file per model) or "
                          "'hf' (the Hugging Face layout)")
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    if not is_complete(checkpoint):
-        raise CheckpointError(f"{checkpoint} is not a complete dream_trainer checkpoint")
-    check_out_dir(out_dir, overwrite)  # before the checksums, which may take minutes
-    reader = safe_reader(str(checkpoint))
-    metadata = reader.read_metadata()
-    verify_files(checkpoint, metadata)
+    checkpoint, out_dir = location(checkpoint), location(out_dir)
+    with _naming(checkpoint, "read"):
+        if not is_complete(checkpoint):
+            raise CheckpointError(f"{checkpoint} is not a complete dream_trainer checkpoint")
+    with _naming(out_dir, "write"):
+        # Before the checksums, which may take minutes.
+        check_out_dir(out_dir, overwrite, storage_for(out_dir))
+    with _naming(checkpoint, "read"):
+        reader = safe_reader(checkpoint)
+        metadata = reader.read_metadata()
+        verify_files(checkpoint, metadata)
     models = model_tensors(metadata)
     if not models:
         raise CheckpointError(f"{checkpoint} holds no model weights")
@@ -75,19 +93,73 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
                 f"{checkpoint / METADATA} names the model {model!r}, which {problem}: an "
                 "export writes each model to a file named after it, inside OUT_DIR. The "
                 "checkpoint was altered or crafted; nothing was written")
-    written = {}
-    for model, tensors in models.items():
-        target, staging = export_paths(out_dir, model, format, several=len(models) > 1,
-                                       make_room=True)
-        if format == "safetensors":
-            _write_file(reader, model, {name: name for name in tensors}, tensors, dtype,
-                        staging / target.name)
-            (staging / target.name).replace(target)  # a failed write leaves the old file whole
-            staging.rmdir()
-        else:
-            _write_hf(reader, model, tensors, dtype, map_key, max_shard_bytes, target, staging)
-        written[model] = target
-    return written
+    return _write_models(reader, models, out_dir, format, dtype, map_key, max_shard_bytes,
+                         several=len(models) > 1)
+
+
+def export_models(models: Mapping[str, nn.Module], path: str | Path | Location,
+                  format: ExportFormat, map_key: KeyMap | None, dtype: torch.dtype | None,
+                  max_shard_bytes: int, overwrite: bool = False) -> dict[str, Location]:
+    """Write every model's weights from a running trainer (collective); see
+    ``SetupMixin.export_weights`` for the layout.
+
+    A local ``path`` is written as ``weights.hf.export_live`` does (the ranks share the
+    filesystem). To an object store, the ranks save their slices under ``path`` as a DCP
+    checkpoint does, then rank 0 joins them one output file at a time, as
+    ``export_checkpoint`` does, uploads the files and deletes the slices.
+
+    Returns:
+        What was written for each model: its Hugging Face directory, or its file.
+
+    Raises:
+        FileExistsError: on every rank, if ``path`` is not empty and ``overwrite`` is False.
+        CheckpointError: on every rank, naming the URL and the fix, if the store cannot be
+            written.
+        ValueError: for an unknown format, or two keys mapped to the same name.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    target = location(path)
+    storage = storage_for(target)
+    if isinstance(target, Path):
+        return dict(export_live(models, target, format, map_key, dtype, max_shard_bytes,
+                                storage, overwrite))
+    if format not in ("hf", "safetensors"):
+        raise ValueError(f"format={format!r}: expected 'hf' (Hugging Face layout) or "
+                         "'safetensors' (one file per model, the trainer's keys)")
+    staging = target / _STAGING
+
+    def prepare() -> None:
+        check_out_dir(target, overwrite, storage)
+        if storage.list_dir(staging):
+            storage.remove_tree(staging)  # what a failed export left
+
+    _on_rank_zero(target, prepare)
+    # The models' own keys, tied copies dropped: rank 0 renames and casts as it joins them.
+    state = {f"{MODEL_PREFIX}{name}.{key}": tensor for name, model in models.items()
+             for key, tensor in exported_state(name, model, None, None).items()}
+    barrier()
+    try:
+        with warnings.catch_warnings():
+            # One process is a valid case here; DCP warns that it assumes so.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, storage_writer=storage.writer(staging))
+    except Exception as exc:
+        raise CheckpointError(f"cannot write the export to {target}: {exc}") from exc
+    written: dict[str, Location] = {}
+
+    def join() -> None:
+        reader = safe_reader(staging)
+        tensors = model_tensors(reader.read_metadata())
+        configs = (lambda name, directory: write_model_config(models[name], directory)) \
+            if format == "hf" else None
+        written.update(_write_models(reader, tensors, target, format, dtype, map_key,
+                                     max_shard_bytes, several=len(models) > 1,
+                                     configs=configs))
+        storage.remove_tree(staging)
+
+    _on_rank_zero(target, join)
+    return from_rank_zero(written)
 
 
 def model_tensors(metadata: Any) -> dict[str, dict[str, Any]]:
@@ -101,6 +173,65 @@ def model_tensors(metadata: Any) -> dict[str, dict[str, Any]]:
         if key.startswith(MODEL_PREFIX) and name and isinstance(entry, TensorStorageMetadata):
             models.setdefault(model, {})[name] = entry
     return models
+
+
+def _write_models(reader: Any, models: dict[str, dict[str, Any]], out_dir: Location,
+                  format: ExportFormat, dtype: torch.dtype | None, map_key: KeyMap | None,
+                  max_shard_bytes: int, several: bool,
+                  configs: Callable[[str, Path], None] | None = None) -> dict[str, Location]:
+    """Write each model's tensors (``model_tensors``) that ``reader`` reads into ``out_dir``,
+    through a local directory that stands for it (``Storage.local_dir``); ``configs(model,
+    directory)`` adds files beside a model's Hugging Face weights."""
+    written: dict[str, Location] = {}
+    with storage_for(out_dir).local_dir(out_dir, is_weight_file) as local:
+        for model, tensors in models.items():
+            target, staging = export_paths(local, model, format, several=several,
+                                           make_room=True)
+            if format == "safetensors":
+                _write_file(reader, model, {name: name for name in tensors}, tensors, dtype,
+                            staging / target.name)
+                # A failed write leaves the old file whole.
+                (staging / target.name).replace(target)
+                staging.rmdir()
+            else:
+                _write_hf(reader, model, tensors, dtype, map_key, max_shard_bytes, target,
+                          staging)
+                if configs is not None:
+                    configs(model, target)
+            written[model] = below(out_dir, *target.relative_to(local).parts)
+    return written
+
+
+@contextmanager
+def _naming(path: Location, doing: str) -> Iterator[None]:
+    """Raise a failure of ``path``'s storage that it can explain (no bucket, no access, no
+    network) as an error naming ``path`` and the fix; others as they are."""
+    storage = storage_for(path)
+    try:
+        yield
+    except storage.failures as exc:
+        advice = storage.advice(path, exc)
+        if advice is None:
+            raise
+        raise CheckpointError(f"cannot {doing} {path}: {advice}") from exc
+
+
+def _on_rank_zero(target: Location, work: Callable[[], None]) -> None:
+    """Run ``work`` on rank 0 and raise what it raised on every rank (collective): the
+    others would otherwise wait for it forever."""
+    problem: Exception | None = None
+    if is_rank_zero():
+        try:
+            work()
+        except (FileExistsError, CheckpointError, ValueError) as exc:
+            problem = exc
+        except Exception as exc:
+            problem = CheckpointError(f"cannot write the export to {target}: "
+                                      f"{storage_for(target).explain(target, exc)}")
+            problem.__cause__ = exc
+    problem = from_rank_zero(problem)
+    if problem is not None:
+        raise problem
 
 
 def _write_hf(reader: Any, model: str, tensors: dict[str, Any], dtype: torch.dtype | None,

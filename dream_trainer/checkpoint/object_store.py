@@ -16,11 +16,15 @@ import functools
 import json
 import logging
 import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
+from pathlib import Path
 from typing import IO, Any
 
 from dream_trainer.checkpoint.lock import LOCK, TAKEOVER, LockHolder
-from dream_trainer.checkpoint.storage import ObjectPath, RunLockLike, Storage
+from dream_trainer.checkpoint.storage import ObjectPath, RunLockLike, Storage, below
 from dream_trainer.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -70,6 +74,11 @@ def _failures() -> tuple[type[BaseException], ...]:
 class ObjectStorage(Storage):
     """An fsspec filesystem: an object store whose keys ``/`` divides into directories."""
 
+    read_block_bytes = 2**20
+    """How far past each read of pretrained weights (``open_file``) a request reaches. A
+    rank reads its slice of each tensor, then seeks to the next tensor: s3fs's default
+    read-ahead of 50 MiB would fetch much of the slices other ranks own."""
+
     def __init__(self, fs: Any) -> None:
         self.fs = fs
         self.failures = _failures()
@@ -93,7 +102,7 @@ class ObjectStorage(Storage):
     def read_bytes(self, path: ObjectPath) -> bytes:
         return bytes(self.fs.cat_file(path.url))
 
-    def write_bytes(self, path: ObjectPath, data: bytes) -> None:
+    def write_bytes(self, path: ObjectPath, data: bytes, mode: int = 0o644) -> None:
         self.fs.pipe_file(path.url, data)
 
     def make_dir(self, path: ObjectPath) -> None:
@@ -123,6 +132,39 @@ class ObjectStorage(Storage):
 
     def open_size(self, file: IO[bytes]) -> int:
         return int(file.size)  # type: ignore[attr-defined]
+
+    def open_file(self, path: ObjectPath) -> IO[bytes]:
+        try:
+            file = self.fs.open(path.url, "rb", block_size=self.read_block_bytes,
+                                cache_type="readahead")
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is missing") from None
+        return file  # type: ignore[no-any-return]
+
+    @contextmanager
+    def local_dir(self, target: ObjectPath, replaced: Callable[[str], bool]) -> Iterator[Path]:
+        with tempfile.TemporaryDirectory(prefix="dream-trainer-") as directory:
+            yield Path(directory)
+            try:
+                self._upload(Path(directory), target, replaced)
+            except self.failures as exc:
+                raise CheckpointError(f"cannot write {target}: "
+                                      f"{self.explain(target, exc)}") from exc
+
+    def _upload(self, local: Path, target: ObjectPath, replaced: Callable[[str], bool]) -> None:
+        """Put every file under ``local`` at the same place under ``target``, then delete the
+        ``replaced`` objects of each written directory that were not written anew."""
+        written: dict[tuple[str, ...], set[str]] = {}
+        for file in sorted(local.rglob("*")):
+            if file.is_file():
+                *folders, name = file.relative_to(local).parts
+                self.fs.put_file(str(file), below(target, *folders, name).url)
+                written.setdefault(tuple(folders), set()).add(name)
+        for folders, names in written.items():
+            directory = below(target, *folders)
+            for name, is_dir in self.list_dir(directory):
+                if not is_dir and replaced(name) and name not in names:
+                    self.fs.rm_file((directory / name).url)
 
     def writer(self, path: ObjectPath) -> Any:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter

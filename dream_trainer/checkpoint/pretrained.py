@@ -4,30 +4,36 @@ The source is a directory in the Hugging Face layout (see ``weights/hf.py``) or 
 dream_trainer checkpoint. Every model's state dict comes from ``get_model_state_dict``, so
 its tensors are the live parameters, sharded as the model is (FSDP2, TP, both); torch DCP
 then reads into them only the slices each rank owns (``SliceReader`` for safetensors),
-converting the dtype as it copies. No rank ever holds a full copy of the model.
+converting the dtype as it copies. No rank ever holds a full copy of the model. A source
+may be a local directory or an object-store URL (``s3://bucket/prefix``): files are read
+through the storage seam (``checkpoint.storage``), by byte ranges from an object store.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from dream_trainer.checkpoint.agreement import find_problem
 from dream_trainer.checkpoint.export import model_tensors
-from dream_trainer.checkpoint.layout import (MODEL_PREFIX, CheckpointError, is_complete,
-                                             verify_files)
+from dream_trainer.checkpoint.layout import MODEL_PREFIX, CheckpointError, is_complete
+from dream_trainer.checkpoint.storage import Location, location, storage_for
 from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.parallel.dtensor import local_tensor
 from dream_trainer.weights.hf import KeyMap, check_hf_dir, is_hf_dir, tied_groups
-from dream_trainer.world.agree import agree_any, gather_objects, is_rank_zero
+from dream_trainer.world.agree import agree_any, gather_objects, is_launched, is_rank_zero
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _SHOWN = 20  # keys listed per kind in an error; the rest are counted
 
@@ -36,7 +42,7 @@ _SHOWN = 20  # keys listed per kind in an error; the rest are counted
 class _Source:
     """One model's pretrained tensors: file key -> (DCP storage key, shape)."""
 
-    path: Path
+    path: Location
     reader: Any
     tensors: dict[str, tuple[str, tuple[int, ...]]]
 
@@ -53,9 +59,9 @@ class _Fit:
     mismatched: list[str] = field(default_factory=list)
 
 
-def resolve_sources(init_weights_from: Path | Mapping[str, Path],
-                    models: Mapping[str, nn.Module]) -> dict[str, Path]:
-    """Model name -> directory to load it from.
+def resolve_sources(init_weights_from: str | Path | Mapping[str, str | Path],
+                    models: Mapping[str, nn.Module]) -> dict[str, Location]:
+    """Model name -> directory (or URL) to load it from.
 
     A single Hugging Face directory goes to the one model that has a state; a single
     dream_trainer checkpoint to every such model (each reads its namesake in it).
@@ -70,10 +76,10 @@ def resolve_sources(init_weights_from: Path | Mapping[str, Path],
             raise ValueError(f"init_weights_from names {', '.join(map(repr, unknown))}, which "
                              f"configure_models did not create; the models are "
                              f"{', '.join(map(repr, models))}")
-        return {name: Path(path) for name, path in init_weights_from.items()}
-    path = Path(init_weights_from)
+        return {name: location(path) for name, path in init_weights_from.items()}
+    path = location(init_weights_from)
     stateful = [name for name, model in models.items() if model.state_dict()]
-    if is_hf_dir(path) and len(stateful) > 1:
+    if len(stateful) > 1 and _read(path, lambda: is_hf_dir(path, storage_for(path))):
         raise ValueError(f"init_weights_from={str(path)!r} is one Hugging Face directory but "
                          f"the trainer has several models ({', '.join(stateful)}): map each "
                          "model to its own directory, e.g. {'model': '/path/to/weights'}")
@@ -89,23 +95,25 @@ class PretrainedWeights:
 
     Args:
         models: The trainer's models by name.
-        init_weights_from: One directory, or ``{model name: directory}``.
+        init_weights_from: One directory, or ``{model name: directory}`` (local paths or
+            URLs such as ``s3://bucket/prefix``).
         map_key: ``(model name, file key) -> model key``, or None to skip the key.
         strict: Refuse missing and unexpected keys instead of warning about them.
 
     Raises:
-        CheckpointError: for a source that is neither layout.
+        CheckpointError: for a source that is neither layout, or that cannot be read (naming
+            it and the fix).
         ValueError: for a mapping naming an unknown model, or one Hugging Face directory
             for several models.
     """
 
     def __init__(self, models: Mapping[str, nn.Module],
-                 init_weights_from: Path | Mapping[str, Path], map_key: KeyMap,
+                 init_weights_from: str | Path | Mapping[str, str | Path], map_key: KeyMap,
                  strict: bool) -> None:
         self.models = models
         self.map_key = map_key
         self.strict = strict
-        self.sources = {name: _open(path, name)
+        self.sources = {name: _read(path, lambda path=path, name=name: _open(path, name))
                         for name, path in resolve_sources(init_weights_from, models).items()}
 
     def use_models(self, models: Mapping[str, nn.Module]) -> None:
@@ -176,14 +184,26 @@ class PretrainedWeights:
                 "their parameter names; set init_weights_strict=True to see the keys")
 
 
-def _open(path: Path, model_name: str) -> _Source:
+def _read(path: Location, read: Callable[[], T]) -> T:
+    """``read()``, its storage's failures (no bucket, no access, no network) raised as an
+    error naming ``path`` and the fix."""
+    storage = storage_for(path)
+    try:
+        return read()
+    except storage.failures as exc:
+        raise CheckpointError(f"cannot read init_weights_from={str(path)!r}: "
+                              f"{storage.explain(path, exc)}") from exc
+
+
+def _open(path: Location, model_name: str) -> _Source:
     """Read the metadata (headers only) of the weights for ``model_name`` under ``path``."""
 
     from dream_trainer.weights.hf_reader import SliceReader
 
-    if is_hf_dir(path):
-        check_hf_dir(path)
-        reader = SliceReader(str(path))
+    storage = storage_for(path)
+    if is_hf_dir(path, storage):
+        check_hf_dir(path, storage)
+        reader = SliceReader(path, storage)
         metadata = reader.read_metadata()
         tensors = {key: (key, tuple(entry.size))
                    for key, entry in metadata.state_dict_metadata.items()}
@@ -193,10 +213,15 @@ def _open(path: Path, model_name: str) -> _Source:
             f"init_weights_from={str(path)!r} is neither a Hugging Face weights directory "
             "(model.safetensors, or shards with model.safetensors.index.json) nor a complete "
             "dream_trainer checkpoint (a step_<N> directory with .metadata)"
-            + ("" if path.exists() else ": it does not exist"))
-    reader = safe_reader(str(path))
+            + ("" if _exists(path) else ": it does not exist"))
+    reader = safe_reader(path)
     metadata = reader.read_metadata()
-    verify_files(path, metadata)
+    # Each rank checksums a share of the files (in the layout that wrote them, its own data
+    # files), not all of them; all raise if any found a problem.
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if is_launched() else (0, 1)
+    problem = find_problem(path, rank, world_size, group=None)
+    if problem is not None:
+        raise CheckpointError(problem)
     by_model = {model: {key: (f"{MODEL_PREFIX}{model}.{key}", tuple(entry.size))
                         for key, entry in entries.items()}
                 for model, entries in model_tensors(metadata).items()}
@@ -206,6 +231,12 @@ def _open(path: Path, model_name: str) -> _Source:
         return _Source(path, reader, next(iter(by_model.values())))
     raise CheckpointError(f"checkpoint {path} holds the models {', '.join(sorted(by_model))} "
                           f"but none named {model_name!r}")
+
+
+def _exists(path: Location) -> bool:
+    storage = storage_for(path)
+    # Listing, unlike a lookup, fails for a missing bucket: that is named, not "missing".
+    return storage.is_dir(path) or storage.is_file(path) or bool(storage.list_dir(path))
 
 
 def _match(name: str, model: nn.Module, source: _Source, map_key: KeyMap) -> _Fit:
@@ -268,7 +299,7 @@ def _agree(fit: _Fit) -> _Fit:
     return fit
 
 
-def _report(name: str, path: Path, fit: _Fit) -> str:
+def _report(name: str, path: Location, fit: _Fit) -> str:
     parts = []
     if fit.missing:
         parts.append(f"{len(fit.missing)} missing (in the model, not in the files): "

@@ -13,9 +13,11 @@ import os
 import shutil
 import stat
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, Protocol, TypeVar
 
 from dream_trainer.errors import CheckpointError
 from dream_trainer.utils.files import write_atomically
@@ -56,6 +58,16 @@ def location(value: str | Path | ObjectPath) -> Location:
     return ObjectPath(value) if "://" in value else Path(value)
 
 
+L = TypeVar("L", Path, ObjectPath)
+
+
+def below(directory: L, *parts: str) -> L:
+    """``directory / parts[0] / parts[1] ...`` (``directory`` itself for no parts)."""
+    for part in parts:
+        directory = directory / part
+    return directory
+
+
 class RunLockLike(Protocol):
     """What the trainer needs of a run lock (``checkpoint.lock.RunLock`` and the object
     store's)."""
@@ -86,8 +98,9 @@ class Storage(ABC):
     def read_bytes(self, path: Any) -> bytes: ...
 
     @abstractmethod
-    def write_bytes(self, path: Any, data: bytes) -> None:
-        """Replace the file ``path`` as a whole: a reader sees the old contents or the new."""
+    def write_bytes(self, path: Any, data: bytes, mode: int = 0o644) -> None:
+        """Replace the file ``path`` as a whole: a reader sees the old contents or the new.
+        ``mode``: the permissions of a local file (an object store has none)."""
 
     @abstractmethod
     def make_dir(self, path: Any) -> None: ...
@@ -116,6 +129,24 @@ class Storage(ABC):
     @abstractmethod
     def open_size(self, file: IO[bytes]) -> int:
         """The size of a file ``open`` returned."""
+
+    @abstractmethod
+    def open_file(self, path: Any) -> IO[bytes]:
+        """``path`` opened for reading, seekable, following a link: for weights that are not
+        a checkpoint's (a Hugging Face cache keeps its files as links to its blobs)."""
+
+    @abstractmethod
+    def local_dir(self, target: Any,
+                  replaced: Callable[[str], bool]) -> AbstractContextManager[Path]:
+        """A local directory that stands for the directory ``target`` while files are
+        written into it: ``target`` itself on a local filesystem. Elsewhere a temporary
+        directory whose files go to ``target`` when the block ends without an error, after
+        which the files of ``target`` that ``replaced(name)`` selects and that were not
+        written anew are deleted (an earlier export's other shards); other files stay.
+
+        Raises:
+            CheckpointError: naming ``target`` and the fix, if the files cannot be sent.
+        """
 
     @abstractmethod
     def writer(self, path: Any) -> Any:
@@ -178,8 +209,8 @@ class LocalStorage(Storage):
     def read_bytes(self, path: Path) -> bytes:
         return path.read_bytes()
 
-    def write_bytes(self, path: Path, data: bytes) -> None:
-        write_atomically(path, data)
+    def write_bytes(self, path: Path, data: bytes, mode: int = 0o644) -> None:
+        write_atomically(path, data, mode)
 
     def make_dir(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
@@ -222,6 +253,13 @@ class LocalStorage(Storage):
 
     def open_size(self, file: IO[bytes]) -> int:
         return os.fstat(file.fileno()).st_size
+
+    def open_file(self, path: Path) -> IO[bytes]:
+        return path.open("rb")
+
+    @contextmanager
+    def local_dir(self, target: Path, replaced: Callable[[str], bool]) -> Iterator[Path]:
+        yield target  # written in place: the writers replace files by rename
 
     def writer(self, path: Path) -> Any:
         from torch.distributed.checkpoint import FileSystemWriter

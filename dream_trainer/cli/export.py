@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,11 +29,14 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                     "(model.safetensors, or shards and model.safetensors.index.json) in "
                     "out_dir, or in out_dir/<model>/ for a checkpoint of several models. "
                     "Everything is written inside out_dir, which must be empty unless "
-                    "--overwrite is given.")
-    parser.add_argument("checkpoint", type=Path, help="a step_<N> checkpoint directory")
-    parser.add_argument("out_dir", type=Path,
-                        help="where to write the weights (created if missing; must be empty "
-                             "unless --overwrite)")
+                    "--overwrite is given. Either may be an object-store URL "
+                    "(s3://bucket/prefix; credentials and endpoint from the AWS_* "
+                    "environment).")
+    parser.add_argument("checkpoint", type=_location,
+                        help="a step_<N> checkpoint directory, or its URL")
+    parser.add_argument("out_dir", type=_location,
+                        help="where to write the weights, a directory or URL (created if "
+                             "missing; must be empty unless --overwrite)")
     parser.add_argument("--overwrite", action="store_true",
                         help="export into a non-empty out_dir: the weight files of an earlier "
                              "export there are replaced, other files kept")
@@ -63,6 +66,13 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive size like 5GB, 500MiB or "
                                          f"1000000 (bytes), got {text!r}")
     return int(match.group(1)) * _UNITS[(match.group(2) or "").upper()]
+
+
+def _location(text: str) -> Any:
+    """An argparse type: a URL stays one (``Path`` would fold its ``//``)."""
+    from dream_trainer.checkpoint.storage import location
+
+    return location(text)
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -108,13 +118,17 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _copy_config(source: Path, target: Path) -> None:
-    """Copy the regular files of ``source`` that are not weights into ``target``.
+def _copy_config(source: Path, target: Any) -> None:
+    """Copy the regular files of ``source`` that are not weights into ``target`` (a
+    directory or an object-store location).
 
     A link is skipped, with a message: it may lead out of ``source`` (to a private file),
     and what it points to is not what the user named. A link in ``target`` is replaced, not
     written through.
     """
+    from dream_trainer.checkpoint.storage import storage_for
+
+    storage = storage_for(target)
     for file in sorted(source.iterdir()):
         if file.name.endswith(_WEIGHT_SUFFIXES) or file.name.endswith(".index.json"):
             continue
@@ -123,6 +137,6 @@ def _copy_config(source: Path, target: Path) -> None:
                   "--config-from copies only regular files, copy the file it points to "
                   "yourself if you trust it", file=sys.stderr)
         elif file.is_file():
-            copy = target / file.name
-            copy.unlink(missing_ok=True)
-            shutil.copy2(file, copy)
+            # A private file stays private: its permissions go with it, as cp -p keeps them.
+            storage.write_bytes(target / file.name, file.read_bytes(),
+                                stat.S_IMODE(file.stat().st_mode))

@@ -13,9 +13,11 @@ from dream_trainer.configs.base import ConfigModel
 _GLOBAL_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 
 
-def _url_or_path(value: object) -> object:
+def url_or_path(value: object) -> object:
     """A URL (``s3://bucket/prefix``) stays a string, which ``Path`` would corrupt (it folds
-    ``//``); any other string is a local path."""
+    ``//``); any other string is a local path; a mapping's values are converted alike."""
+    if isinstance(value, dict):
+        return {key: url_or_path(item) for key, item in value.items()}
     if isinstance(value, str) and "://" not in value and value != "latest":
         return Path(value)
     return value
@@ -67,7 +69,7 @@ class CheckpointParameters(ConfigModel):
     @field_validator("root_dir", "resume")
     @classmethod
     def _keep_urls(cls, value: object) -> object:
-        return _url_or_path(value)
+        return url_or_path(value)
 
     @field_validator("trusted_globals")
     @classmethod

@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from pydantic import Field, field_validator
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 
 from dream_trainer.configs.base import ConfigModel
+from dream_trainer.configs.checkpoint import url_or_path
 from dream_trainer.data.loaders import prepare_loader
 from dream_trainer.mixins.parallelize import ParallelizeModels
 from dream_trainer.parallel.materialize import (FullTensorInit, find_uninitialized,
@@ -29,6 +31,7 @@ from dream_trainer.world.agree import agree_any
 
 if TYPE_CHECKING:
     from dream_trainer.checkpoint.pretrained import PretrainedWeights
+    from dream_trainer.checkpoint.storage import ObjectPath
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +45,13 @@ class SetupConfigMixin(ConfigModel):
     """Config counterpart of ``SetupMixin``: where the models' starting weights come from
     (the parallelism settings live in ``DeviceParameters``)."""
 
-    init_weights_from: Path | dict[str, Path] | None = None
+    # Left to right: a URL string stays one (JSON would otherwise pick Path, folding "//").
+    init_weights_from: str | Path | dict[str, str | Path] | None = Field(
+        None, union_mode="left_to_right")
     """Pretrained weights loaded after ``init_weights()``: a Hugging Face weights directory
     (``model.safetensors``, or shards with ``model.safetensors.index.json``) or a
-    dream_trainer checkpoint (``step_<N>``); ``{model attribute: path}`` for several models."""
+    dream_trainer checkpoint (``step_<N>``), local or at an object-store URL
+    (``s3://bucket/prefix``); ``{model attribute: path}`` for several models."""
     init_weights_strict: bool = True
     """Refuse a load in which model keys are missing from the files or file keys are left
     over (one error lists both); False warns and keeps ``init_weights()`` values."""
@@ -53,6 +59,11 @@ class SetupConfigMixin(ConfigModel):
     """The result key passed to schedulers stepped by a metric (``ReduceLROnPlateau``) after
     each of the loop's validation passes (after each training epoch without a validation
     loader); ``step()`` does not step them."""
+
+    @field_validator("init_weights_from")
+    @classmethod
+    def _keep_urls(cls, value: object) -> object:
+        return url_or_path(value)
 
 
 class SetupMixin(ParallelizeModels):
@@ -148,18 +159,19 @@ class SetupMixin(ParallelizeModels):
     def export_weights(self, path: str | Path, format: ExportFormat = "hf",
                        dtype: torch.dtype | None = None,
                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                       overwrite: bool = False) -> dict[str, Path]:
+                       overwrite: bool = False) -> dict[str, Path | ObjectPath]:
         """Write the models' current weights, consolidated, from any parallel layout.
 
         Collective: every rank calls it; each writes its own slices and rank 0 joins them
-        (the ranks need a shared filesystem). ``"hf"`` writes ``path/model.safetensors``, or
-        shards and ``model.safetensors.index.json``, keyed by ``map_exported_key``, plus
+        (the ranks need a shared filesystem, or ``path`` is an object-store URL such as
+        ``s3://bucket/prefix``, which they share). ``"hf"`` writes ``path/model.safetensors``,
+        or shards and ``model.safetensors.index.json``, keyed by ``map_exported_key``, plus
         ``config.json`` for a ``transformers`` model; with several models each gets the
         directory ``path/<model>``. ``"safetensors"`` writes ``path/<model>.safetensors``
         with the trainer's keys. Tied parameters are written once, under their first key.
 
         Args:
-            path: The output directory (created if needed); it must be empty unless
+            path: The output directory (created if needed) or URL; it must be empty unless
                 ``overwrite`` is set.
             format: ``"hf"`` or ``"safetensors"``.
             dtype: Cast floating tensors (``torch.bfloat16``); None keeps their dtype.
@@ -177,7 +189,7 @@ class SetupMixin(ParallelizeModels):
             RuntimeError: when called by several ranks outside ``fit()``, whose process
                 group is gone (export from a hook such as ``post_fit`` instead).
         """
-        from dream_trainer.weights.hf import export_live
+        from dream_trainer.checkpoint.export import export_models
 
         if self.world.world_size > 1 and not torch.distributed.is_initialized():
             raise RuntimeError(
@@ -185,8 +197,8 @@ class SetupMixin(ParallelizeModels):
                 f"{self.world.world_size}-rank run is gone: call it during fit(), for example "
                 "from post_fit(), or export a checkpoint with `dream-trainer export`")
 
-        return export_live(self.named_models(), Path(path), format, self.map_exported_key,
-                           dtype, max_shard_bytes, overwrite)
+        return export_models(self.named_models(), path, format, self.map_exported_key,
+                             dtype, max_shard_bytes, overwrite)
 
     # -- phases (run whether or not user hooks call super()) ----------------------------------
     @runs_on("teardown")

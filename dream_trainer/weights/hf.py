@@ -5,6 +5,10 @@ A Hugging Face weights directory holds ``model.safetensors``, or shards
 to its shard. ``export_live`` writes that layout from models of any parallel layout with
 torch DCP's ``HuggingFaceStorageWriter``: every rank writes its own slices, then rank 0
 consolidates them into full tensors (the ranks need a shared filesystem, as checkpoints do).
+
+Reading goes through ``Files``, the storage that holds the directory (a local one or an
+object store: ``dream_trainer.checkpoint.storage`` provides both), so the same checks and
+reads serve ``/path/to/weights`` and ``s3://bucket/weights``.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import shutil
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import IO, Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -40,12 +44,39 @@ KeyMap = Callable[[str, str], "str | None"]
 """``(model name, key) -> key``, or None to skip the key."""
 
 
-def is_hf_dir(path: Path) -> bool:
+class Files(Protocol):
+    """What the layout needs of the storage that holds a directory (``path`` is a ``Path``,
+    or a location of that storage that joins with ``/`` as one does)."""
+
+    def is_file(self, path: Any) -> bool: ...
+
+    def is_dir(self, path: Any) -> bool: ...
+
+    def list_dir(self, path: Any) -> list[tuple[str, bool]]: ...
+
+    def read_bytes(self, path: Any) -> bytes: ...
+
+    def open_file(self, path: Any) -> IO[bytes]: ...
+
+
+def is_hf_dir(path: Any, files: Files) -> bool:
     """True when ``path`` holds ``model.safetensors`` or ``model.safetensors.index.json``."""
-    return (path / WEIGHTS).is_file() or (path / INDEX).is_file()
+    return files.is_file(path / WEIGHTS) or files.is_file(path / INDEX)
 
 
-def check_hf_dir(path: Path) -> None:
+def is_weight_file(name: str) -> bool:
+    """Whether the file ``name`` of a Hugging Face directory is part of its weights (what
+    an export replaces), not its configuration or tokenizer."""
+    return name.endswith(".safetensors") or name == INDEX
+
+
+def safetensors_names(path: Any, files: Files) -> list[str]:
+    """The ``*.safetensors`` files of the directory ``path``, sorted."""
+    return sorted(name for name, is_dir in files.list_dir(path)
+                  if not is_dir and name.endswith(".safetensors"))
+
+
+def check_hf_dir(path: Any, files: Files) -> None:
     """Check that every file the index names is there and no stray weights file is.
 
     DCP's ``HuggingFaceStorageReader`` reads every ``*.safetensors`` file of the directory,
@@ -55,8 +86,9 @@ def check_hf_dir(path: Path) -> None:
         CheckpointError: naming the index that is not one, the missing shard or the stray
             file.
     """
-    present = {file.name for file in path.glob("*.safetensors")}
-    expected = _indexed_files(path / INDEX) if (path / INDEX).is_file() else {WEIGHTS}
+    present = set(safetensors_names(path, files))
+    indexed = files.is_file(path / INDEX)
+    expected = _indexed_files(path / INDEX, files) if indexed else {WEIGHTS}
     missing = sorted(expected - present)
     if missing:
         raise CheckpointError(f"{path} lacks the weight files {', '.join(missing)} that "
@@ -64,18 +96,18 @@ def check_hf_dir(path: Path) -> None:
     stray = sorted(present - expected)
     if stray:
         raise CheckpointError(f"{path} holds weight files that are not part of its "
-                              f"{'index' if (path / INDEX).is_file() else WEIGHTS}: "
+                              f"{'index' if indexed else WEIGHTS}: "
                               f"{', '.join(stray)}; move them elsewhere")
 
 
-def _indexed_files(index: Path) -> set[str]:
+def _indexed_files(index: Any, files: Files) -> set[str]:
     """The weight files a ``model.safetensors.index.json`` maps keys to.
 
     Raises:
         CheckpointError: naming the file, if it is not such an index.
     """
     try:
-        data = json.loads(index.read_text())
+        data = json.loads(files.read_bytes(index))
     except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON or UTF-8
         raise CheckpointError(f"{index} cannot be read as a safetensors index: "
                               f"{type(exc).__name__}: {exc}") from exc
@@ -184,9 +216,10 @@ def exported_names(model: str, keys: Iterable[str],
 
 def export_live(models: Mapping[str, nn.Module], path: Path, format: ExportFormat,
                 map_key: KeyMap | None, dtype: torch.dtype | None, max_shard_bytes: int,
-                overwrite: bool = False) -> dict[str, Path]:
-    """Write every model's weights from a running trainer (collective); see
-    ``SetupMixin.export_weights`` for the layout.
+                files: Files, overwrite: bool = False) -> dict[str, Path]:
+    """Write every model's weights from a running trainer (collective) to the directory
+    ``path`` of a filesystem the ranks share (``files``); see ``SetupMixin.export_weights``
+    for the layout.
 
     Returns:
         What was written for each model: its Hugging Face directory, or its file.
@@ -199,7 +232,7 @@ def export_live(models: Mapping[str, nn.Module], path: Path, format: ExportForma
     if format not in ("hf", "safetensors"):
         raise ValueError(f"format={format!r}: expected 'hf' (Hugging Face layout) or "
                          "'safetensors' (one file per model, the trainer's keys)")
-    _check_out_dir_on_rank_zero(path, overwrite)
+    check_out_dir_on_rank_zero(path, overwrite, files)
     written = {}
     for name, model in models.items():
         state = exported_state(name, model, map_key if format == "hf" else None, dtype)
@@ -229,18 +262,18 @@ def export_live(models: Mapping[str, nn.Module], path: Path, format: ExportForma
     return written
 
 
-def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+def check_out_dir(out_dir: Any, overwrite: bool, files: Files) -> None:
     """Refuse to export into ``out_dir`` unless it is new or empty, or ``overwrite`` is set.
 
     Raises:
         FileExistsError: naming the directory, what it holds, and the fix.
     """
-    if not (out_dir.exists() or out_dir.is_symlink()):
-        return
-    if not out_dir.is_dir():
+    # A dangling link is neither a file nor a directory to ``files``, yet it is in the way.
+    dangling = isinstance(out_dir, Path) and out_dir.is_symlink() and not out_dir.exists()
+    if dangling or files.is_file(out_dir):
         raise FileExistsError(f"export target {out_dir} exists and is not a directory: name a "
                               "directory (it is created if missing)")
-    held = sorted(entry.name for entry in itertools.islice(out_dir.iterdir(), 4))
+    held = sorted(name for name, _ in itertools.islice(files.list_dir(out_dir), 4))
     if held and not overwrite:
         raise FileExistsError(
             f"export target {out_dir} is not empty (it holds {', '.join(held[:3])}"
@@ -293,17 +326,24 @@ def _publish(staging: Path, target: Path, count: int, model: nn.Module | None) -
     if count == 1:
         produced[0].replace(staging / WEIGHTS)
         (staging / INDEX).unlink()
+    write_model_config(model, staging)
+    replace_weights(staging, target)
+
+
+def write_model_config(model: nn.Module, directory: Path) -> None:
+    """Write what ``from_pretrained`` reads besides the weights of a ``transformers`` model
+    (wrapped or split into stages as a run holds it): ``config.json`` and, for a model
+    that can generate (a causal LM), its generation defaults, as ``save_pretrained`` does.
+    Nothing for another module."""
     root = unwrap_ddp(model)
     if isinstance(root, PipelineStages):  # rank 0's stages: the first is the model's class
         root = unwrap_stage(root.stages[0])
-    if is_hf_model(root):
-        root.config.to_json_file(str(staging / CONFIG))  # type: ignore[operator,union-attr]
-        # What save_pretrained writes beside it: the generation defaults of a model that
-        # can generate (a causal LM), which from_pretrained reads for generate().
-        generation = getattr(root, "generation_config", None)
-        if generation is not None and root.can_generate():  # type: ignore[operator]
-            generation.save_pretrained(str(staging))
-    replace_weights(staging, target)
+    if not is_hf_model(root):
+        return
+    root.config.to_json_file(str(directory / CONFIG))  # type: ignore[operator,union-attr]
+    generation = getattr(root, "generation_config", None)
+    if generation is not None and root.can_generate():  # type: ignore[operator]
+        generation.save_pretrained(str(directory))
 
 
 def replace_weights(staging: Path, target: Path) -> None:
@@ -322,12 +362,12 @@ def replace_weights(staging: Path, target: Path) -> None:
     staging.rmdir()
 
 
-def _check_out_dir_on_rank_zero(out_dir: Path, overwrite: bool) -> None:
+def check_out_dir_on_rank_zero(out_dir: Any, overwrite: bool, files: Files) -> None:
     """``check_out_dir`` on rank 0, raised on every rank (collective), before any write."""
     problem = None
     if is_rank_zero():
         try:
-            check_out_dir(out_dir, overwrite)
+            check_out_dir(out_dir, overwrite, files)
         except FileExistsError as exc:
             problem = str(exc)
     problem = from_rank_zero(problem)

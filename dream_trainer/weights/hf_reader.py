@@ -4,14 +4,15 @@ DCP's ``HuggingFaceStorageReader`` slices each tensor out of safetensors' memory
 page a rank touches then stays mapped, and counted in its resident memory, until the file is
 closed, which for a model saved as one file is the end of the load: a rank that reads half
 of every tensor holds half the file in mapped pages on top of its own shards. This reader
-keeps DCP's planning and metadata and reads each requested box with ordinary reads through
-one bounded buffer, straight into the rank's shard.
+plans as DCP's does and reads each requested box with ordinary reads through one bounded
+buffer, straight into the rank's shard. Files are opened through ``Files`` (a local directory
+or an object store), so from ``s3://`` too a rank fetches only the byte ranges of its boxes.
 
-Before any read it checks what DCP's reader takes on trust: every file opens as safetensors
-and holds only dtypes this reader knows, and the chunks of every tensor (several files may
-each hold a part, placed by their ``DCP_SHARDING_INFO``) cover it exactly once. With the
-shapes matched to the model's (``PretrainedWeights``), every element of every target tensor
-is then written by the load.
+Before any read it checks what DCP's reader takes on trust: every file's header is a valid
+safetensors header whose tensors fill its data exactly, with only dtypes this reader knows,
+and the chunks of every tensor (several files may each hold a part, placed by their
+``DCP_SHARDING_INFO``) cover it exactly once. With the shapes matched to the model's
+(``PretrainedWeights``), every element of every target tensor is then written by the load.
 """
 
 from __future__ import annotations
@@ -20,18 +21,22 @@ import itertools
 import json
 import math
 import struct
-from pathlib import Path
+from dataclasses import dataclass
 from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint import HuggingFaceStorageReader
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from dream_trainer.errors import CheckpointError
+from dream_trainer.weights.hf import Files, safetensors_names
 
 _BUFFER_BYTES = 16 * 2**20
+_MAX_HEADER_BYTES = 100 * 2**20  # the safetensors format's own limit
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
            "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
@@ -42,82 +47,171 @@ _SHARDING_INFO = "DCP_SHARDING_INFO"  # torch's key for where a file's chunk of 
 _OFFSETS = "saved_offsets"
 
 
-class SliceReader(HuggingFaceStorageReader):
-    """``HuggingFaceStorageReader`` whose reads go through a 16 MiB buffer, not a map."""
+@dataclass(frozen=True)
+class _Stored:
+    """Where one chunk lies: its file (a name in the directory), where the file's data
+    starts, and the chunk's header entry (dtype, shape, data offsets)."""
 
-    def read_metadata(self) -> Metadata:
-        """The tensors of the directory's safetensors files and where their chunks lie.
+    file: str
+    data_start: int
+    entry: dict[str, Any]
+
+
+class SliceReader(FileSystemReader):
+    """A DCP storage reader of a Hugging Face directory whose reads go through a 16 MiB
+    buffer, not a map.
+
+    Args:
+        directory: The directory (a ``Path``, or a location of ``files``).
+        files: The storage that holds it.
+    """
+
+    def __init__(self, directory: Any, files: Files) -> None:
+        super().__init__(str(directory))
+        self.directory = directory
+        self.files = files
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The tensors of the directory's safetensors files and where their chunks lie,
+        from the files' headers (a few reads per file).
 
         Raises:
             CheckpointError: naming the file that is damaged or truncated, holds a dtype
                 this reader cannot read or a malformed ``DCP_SHARDING_INFO``; or the tensor
                 whose chunks leave elements unwritten or overlap, and its files.
         """
-        for file in sorted(Path(self.path).glob("*.safetensors")):
-            _check_file(file)
-        try:
-            metadata = super().read_metadata()
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
-            raise CheckpointError(f"cannot read the safetensors files of {self.path}: "
-                                  f"{type(exc).__name__}: {exc}") from exc
-        for fqn, entry in metadata.state_dict_metadata.items():
-            _check_coverage(fqn, entry, metadata)
+        tensors: dict[str, TensorStorageMetadata] = {}
+        storage_data: dict[MetadataIndex, _Stored] = {}
+        for name in safetensors_names(self.directory, self.files):
+            path = self.directory / name
+            with self.files.open_file(path) as file:
+                header, data_start = _checked_header(file, path)
+            placed = _placement(header.pop("__metadata__", None) or {}, header, path)
+            for key, entry in header.items():
+                shape, offsets = list(entry["shape"]), placed.get(key, [0] * len(entry["shape"]))
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                             sizes=torch.Size(shape))
+                known = tensors.get(key)
+                if known is None:
+                    tensors[key] = TensorStorageMetadata(
+                        properties=TensorProperties(dtype=_DTYPES[entry["dtype"]]),
+                        size=torch.Size([o + n for o, n in zip(offsets, shape)]),
+                        chunks=[chunk])
+                else:
+                    known.chunks.append(chunk)
+                    known.size = torch.Size([max(size, o + n) for size, o, n
+                                             in zip(known.size, offsets, shape)])
+                storage_data[MetadataIndex(fqn=key, offset=offsets)] = _Stored(
+                    name, data_start, entry)
+        metadata = Metadata(state_dict_metadata=tensors,  # type: ignore[arg-type]
+                            storage_data=storage_data)
+        for fqn, entry in tensors.items():
+            _check_coverage(fqn, entry, metadata, self.directory)
+        metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path,
-                                []).append(item)
+            per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
         buffer = bytearray(_BUFFER_BYTES)
-        for file_name, items in per_file.items():
-            with open(file_name, "rb") as file:
-                header, data_start = _header(file)
+        for name, items in per_file.items():
+            path = self.directory / name
+            with self.files.open_file(path) as file:
                 for item in items:
-                    _read_box(file, header[item.storage_index.fqn], data_start, item, planner,
-                              buffer)
+                    stored = self.storage_data[item.storage_index]
+                    try:
+                        _read_box(file, stored.entry, stored.data_start, item, planner,
+                                  buffer)
+                    except EOFError as exc:
+                        raise CheckpointError(f"{path}: {exc}; copy or download it "
+                                              "again") from exc
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
 
-def _check_file(file: Path) -> None:
-    """Refuse a safetensors file that does not open, holds an unknown dtype, or whose
-    ``DCP_SHARDING_INFO`` does not place each of its tensors.
+def _checked_header(file: IO[bytes], path: Any) -> tuple[dict[str, Any], int]:
+    """The header of the safetensors file ``file`` and where its data starts, once checked
+    as the safetensors library checks it: every tensor's bytes lie in the data, which they
+    fill exactly, one after another.
 
     Raises:
-        CheckpointError: naming the file and the problem.
+        CheckpointError: naming ``path``, if it is not such a file or holds a dtype this
+            reader does not read.
     """
-    from safetensors import SafetensorError, safe_open
-
     try:
-        with safe_open(str(file), framework="pt") as handle:
-            tensors = {key: handle.get_slice(key) for key in handle.keys()}
-            shapes = {key: tensor.get_shape() for key, tensor in tensors.items()}
-            dtypes = {key: tensor.get_dtype() for key, tensor in tensors.items()}
-            extra = handle.metadata() or {}
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{file} is not a readable safetensors file ({exc}): it is "
-                              "truncated or damaged; copy or download it again") from exc
-    for key, dtype in dtypes.items():
-        if dtype not in _DTYPES:
+        header, data_start = _header(file)
+        problem = _header_problem(header, file.seek(0, 2) - data_start)
+    except (ValueError, RecursionError) as exc:
+        problem = str(exc)
+    if problem is not None:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({problem}): it is "
+                              "truncated or damaged; copy or download it again")
+    for key, entry in header.items():
+        if key != "__metadata__" and entry["dtype"] not in _DTYPES:
             raise CheckpointError(
-                f"{file} holds {key} as {dtype}, a dtype this reader does not read (it reads "
-                f"{', '.join(_DTYPES)}): convert the file's tensors to one of those")
+                f"{path} holds {key} as {entry['dtype']}, a dtype this reader does not read "
+                f"(it reads {', '.join(_DTYPES)}): convert the file's tensors to one of those")
+    return header, data_start
+
+
+def _header_problem(header: Any, data_bytes: int) -> str | None:
+    """What makes ``header`` not the header of ``data_bytes`` of tensor data, or None."""
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    extra = header.get("__metadata__", {})
+    if not (isinstance(extra, dict) and all(isinstance(value, str) for value in extra.values())):
+        return "its __metadata__ is not an object of strings"
+    spans = []
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        if not (isinstance(entry, dict) and isinstance(entry.get("dtype"), str)
+                and isinstance(entry.get("shape"), list)
+                and _is_offset(entry["shape"], len(entry["shape"]))
+                and _is_offset(entry.get("data_offsets"), 2)
+                and entry["data_offsets"][0] <= entry["data_offsets"][1]):
+            return f"the entry of {key!r} lacks a dtype, shape or data_offsets"
+        begin, end = entry["data_offsets"]
+        dtype = _DTYPES.get(entry["dtype"])
+        if dtype is not None and end - begin != math.prod(entry["shape"]) * dtype.itemsize:
+            return f"{key!r} takes {end - begin} bytes, not those of its shape and dtype"
+        spans.append((begin, end))
+    position = 0
+    for begin, end in sorted(spans):
+        if begin != position:
+            return f"its tensors leave a gap or overlap at byte {position} of the data"
+        position = end
+    if position != data_bytes:
+        return f"its tensors need {position} bytes of data, the file holds {data_bytes}"
+    return None
+
+
+def _placement(extra: dict[str, str], header: dict[str, Any],
+               path: Any) -> dict[str, list[int]]:
+    """Where each tensor of the file sits in the whole tensor, by ``DCP_SHARDING_INFO``
+    (none: the file holds whole tensors).
+
+    Raises:
+        CheckpointError: naming the file, if the entry does not place every tensor.
+    """
     if _SHARDING_INFO not in extra:
-        return
+        return {}
     try:
         sharding = json.loads(extra[_SHARDING_INFO])
-        placed = all(_is_offset(sharding[key][_OFFSETS], len(shape))
-                     for key, shape in shapes.items())
+        placed = {key: sharding[key][_OFFSETS] for key in header}
+        valid = all(_is_offset(offsets, len(header[key]["shape"]))
+                    for key, offsets in placed.items())
     except (ValueError, TypeError, KeyError, RecursionError):
-        placed = False
-    if not placed:
+        valid = False
+    if not valid:
         raise CheckpointError(
-            f"{file} has a {_SHARDING_INFO} entry in its metadata that does not give every "
+            f"{path} has a {_SHARDING_INFO} entry in its metadata that does not give every "
             f"tensor's {_OFFSETS} (one non-negative integer per dimension): the file was "
             "altered or written by another tool; remove the entry if the file holds whole "
             "tensors")
+    return placed
 
 
 def _is_offset(offsets: Any, dims: int) -> bool:
@@ -125,7 +219,8 @@ def _is_offset(offsets: Any, dims: int) -> bool:
         type(offset) is int and offset >= 0 for offset in offsets)
 
 
-def _check_coverage(fqn: str, entry: TensorStorageMetadata, metadata: Metadata) -> None:
+def _check_coverage(fqn: str, entry: TensorStorageMetadata, metadata: Metadata,
+                    directory: Any) -> None:
     """Refuse a tensor whose chunks do not cover it exactly once: an element no chunk holds
     would keep what its target held before the load (uninitialized memory, NaN).
 
@@ -145,8 +240,8 @@ def _check_coverage(fqn: str, entry: TensorStorageMetadata, metadata: Metadata) 
         if covered == total:
             return
         problem = f"hold {covered} of its {total} elements"
-    files = sorted({str(metadata.storage_data[MetadataIndex(fqn, list(offsets))].relative_path)
-                    for offsets, _ in boxes})
+    files = sorted({str(directory / metadata.storage_data[MetadataIndex(fqn, list(offsets))]
+                        .file) for offsets, _ in boxes})
     raise CheckpointError(
         f"the chunks of tensor {fqn!r} {list(size)} in {', '.join(files)} {problem} (offsets "
         f"and sizes: {boxes}): loading them would leave elements of the model unset. A file "
@@ -162,10 +257,27 @@ def _overlap(a: tuple[tuple[int, ...], tuple[int, ...]],
                for a_start, a_size, b_start, b_size in zip(a[0], a[1], b[0], b[1]))
 
 
-def _header(file: IO[bytes]) -> tuple[dict[str, Any], int]:
-    """The safetensors header (key -> dtype, shape, data offsets) and where data starts."""
-    (length,) = struct.unpack("<Q", file.read(8))
-    return json.loads(file.read(length)), 8 + length
+def _header(file: IO[bytes]) -> tuple[Any, int]:
+    """The safetensors header of ``file`` (key -> dtype, shape, data offsets; unchecked) and
+    where the data starts.
+
+    Raises:
+        ValueError: if the file is too short for its header, or the header is not JSON.
+    """
+    file.seek(0)
+    prefix = file.read(8)
+    if len(prefix) < 8:
+        raise ValueError(f"{len(prefix)} bytes, shorter than a header")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > _MAX_HEADER_BYTES:
+        raise ValueError(f"a header of {length} bytes, more than the format allows")
+    text = file.read(length)
+    if len(text) < length:
+        raise ValueError(f"a header of {length} bytes in a file of {8 + len(text)}")
+    try:
+        return json.loads(text), 8 + length
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise ValueError(f"its header is not JSON: {exc}") from exc
 
 
 def _read_box(file: IO[bytes], entry: dict[str, Any], data_start: int, item: ReadItem,
@@ -207,7 +319,7 @@ def _read_box(file: IO[bytes], entry: dict[str, Any], data_start: int, item: Rea
             file.seek(position)
             view = memoryview(buffer)[:count * element]
             if file.readinto(view) != len(view):
-                raise OSError(f"{file.name} ends inside tensor data: the file is truncated")
+                raise EOFError("the file ends inside tensor data: it is truncated")
             flat[written:written + count].copy_(torch.frombuffer(buffer, dtype=dtype,
                                                                  count=count))
             written += count
