@@ -1,7 +1,7 @@
 """Loading pretrained weights into materialized models of any parallel layout.
 
 The source is a directory in the Hugging Face layout (see ``weights/hf.py``) or a complete
-dream_trainer checkpoint. Every model's state dict comes from ``get_model_state_dict``, so
+dream_trainer checkpoint. Every model's state dict comes from ``model_state_dict``, so
 its tensors are the live parameters, sharded as the model is (FSDP2, TP, both); torch DCP
 then reads into them only the slices each rank owns (``SliceReader`` for safetensors),
 converting the dtype as it copies. No rank ever holds a full copy of the model. A source
@@ -28,6 +28,7 @@ from dream_trainer.checkpoint.layout import MODEL_PREFIX, CheckpointError, is_co
 from dream_trainer.checkpoint.storage import Location, location, storage_for
 from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.parallel.dtensor import local_tensor
+from dream_trainer.parallel.state_dict import model_state_dict, renames_keys
 from dream_trainer.weights.hf import KeyMap, check_hf_dir, is_hf_dir, tied_groups
 from dream_trainer.world.agree import agree_any, gather_objects, is_launched, is_rank_zero
 
@@ -241,9 +242,14 @@ def _exists(path: Location) -> bool:
 
 def _match(name: str, model: nn.Module, source: _Source, map_key: KeyMap) -> _Fit:
     """Pair the source's keys with the model's (after ``map_key``); one rank's view."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    state = {key: value for key, value in get_model_state_dict(model).items()
+    if renames_keys(model):
+        # Its keys name no parameter, so the initialization that follows the load could not
+        # tell what the files set: refuse rather than overwrite loaded weights.
+        raise CheckpointError(
+            f"init_weights_from cannot load model {name!r}: a state-dict hook of it renames "
+            "its keys (as a fused q/k/v layer does), which init_weights_from does not support "
+            "yet; start from a checkpoint with resume=<checkpoint> and load_weights_only=True")
+    state = {key: value for key, value in model_state_dict(model).items()
              if isinstance(value, torch.Tensor)}
     fit = _Fit()
     claimed: dict[str, str] = {}

@@ -29,6 +29,7 @@ from dream_trainer.errors import CheckpointError
 from dream_trainer.parallel.hf_init import is_hf_model
 from dream_trainer.parallel.names import clean_name, unwrap_ddp
 from dream_trainer.parallel.pipeline import PipelineStages, unwrap_stage
+from dream_trainer.parallel.state_dict import model_state_dict
 from dream_trainer.world.agree import barrier, from_rank_zero, gather_objects, is_rank_zero
 
 logger = logging.getLogger(__name__)
@@ -173,12 +174,10 @@ def exported_state(name: str, model: nn.Module, map_key: KeyMap | None,
     Raises:
         ValueError: if two keys map to the same exported key.
     """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     groups = tied_groups(model)
     seen_groups: set[int] = set()
     tensors: dict[str, torch.Tensor] = {}
-    for key, tensor in get_model_state_dict(model).items():
+    for key, tensor in model_state_dict(model).items():
         if not isinstance(tensor, torch.Tensor):
             continue
         group = groups.get(key)
