@@ -24,6 +24,8 @@ SLOWEST_FIRST = (
     "tests/mixins/test_fault_tolerance.py", "tests/examples/test_examples.py",
     "tests/data/test_streaming.py", "tests/data/test_sharded_stream_resume.py",
     "tests/nn/test_moe_resume.py", "tests/examples/test_large_model_examples.py",
+    "tests/parallel/test_context_parallel.py", "tests/nn/test_moe_combos.py",
+    "tests/checkpoint/s3/test_object_store_runs.py", "tests/nn/test_grouped_experts.py",
 )
 
 
