@@ -19,12 +19,14 @@ from dream_trainer.checkpoint.layout import (METADATA, MODEL_PREFIX, CheckpointE
                                              is_complete, verify_files)
 from dream_trainer.checkpoint.storage import Location, below, location, storage_for
 from dream_trainer.checkpoint.trust import safe_reader
+from dream_trainer.nn.hf_moe import StackedKey
 from dream_trainer.utils.paths import component_problem
 from dream_trainer.weights.hf import (DEFAULT_MAX_SHARD_BYTES, ExportFormat, KeyMap,
                                       check_out_dir, export_live, export_paths, exported_names,
                                       exported_state, is_weight_file, plan_shards,
                                       replace_weights, shard_file_names, write_index,
                                       write_model_config)
+from dream_trainer.weights.stacked import Part, checkpoint_rules, model_rules, split_names
 from dream_trainer.world.agree import barrier, from_rank_zero, is_rank_zero
 
 _STAGING = ".export.partial"
@@ -35,7 +37,8 @@ def export_checkpoint(checkpoint: str | Path | Location, out_dir: str | Path | L
                       format: ExportFormat = "safetensors", dtype: torch.dtype | None = None,
                       map_key: Callable[[str, str], str | None] | None = None,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                      overwrite: bool = False) -> dict[str, Location]:
+                      overwrite: bool = False,
+                      model_type: str | None = None) -> dict[str, Location]:
     """Write the weights of every model in ``checkpoint`` as safetensors, inside ``out_dir``.
 
     ``"safetensors"`` writes ``<out_dir>/<model>.safetensors`` with the model's own keys.
@@ -43,7 +46,8 @@ def export_checkpoint(checkpoint: str | Path | Location, out_dir: str | Path | L
     ``max_shard_bytes`` with ``model.safetensors.index.json``, keyed by ``map_key``; in
     ``out_dir`` itself for a checkpoint of one model, else in ``<out_dir>/<model>/``. Runs in
     one process, without a process group, whatever number of ranks wrote the checkpoint; only
-    model weights are read, one output file at a time (peak memory: the largest file).
+    model weights are read, one output file at a time (peak memory: the largest file, or the
+    largest stacked tensor it takes experts from).
 
     Args:
         checkpoint: A complete ``step_<N>`` checkpoint directory, or its URL.
@@ -57,6 +61,10 @@ def export_checkpoint(checkpoint: str | Path | Location, out_dir: str | Path | L
         max_shard_bytes: Largest shard of an ``"hf"`` export.
         overwrite: Export into a non-empty ``out_dir``: the weight files of an earlier export
             there are replaced once the new ones are written; other files stay.
+        model_type: ``"hf"`` only: the transformers model type (``config.json``'s
+            ``model_type``, e.g. ``"mixtral"``, ``"qwen3_moe"``) whose files the ``MoE``
+            layers' weights are written as, one tensor per expert as ``save_pretrained``
+            writes them (``nn.hf_moe.FILE_LAYOUTS``); None writes them stacked, as trained.
 
     Returns:
         The written file (``"safetensors"``) or directory (``"hf"``) of each model.
@@ -66,7 +74,8 @@ def export_checkpoint(checkpoint: str | Path | Location, out_dir: str | Path | L
             names a model that is not a plain file name; or if an object store cannot be
             read or written (naming the URL and the fix).
         FileExistsError: if ``out_dir`` is not empty and ``overwrite`` is False.
-        ValueError: for an unknown format, or two keys mapped to the same name.
+        ValueError: for an unknown format, two keys mapped to the same name, or MoE layers
+            and a ``model_type`` without a declared file layout.
     """
     if format not in ("hf", "safetensors"):
         raise ValueError(f"format={format!r}: expected 'safetensors' (one file per model) or "
@@ -93,8 +102,11 @@ def export_checkpoint(checkpoint: str | Path | Location, out_dir: str | Path | L
                 f"{checkpoint / METADATA} names the model {model!r}, which {problem}: an "
                 "export writes each model to a file named after it, inside OUT_DIR. The "
                 "checkpoint was altered or crafted; nothing was written")
+    rules = {model: checkpoint_rules({key: entry.size for key, entry in tensors.items()},
+                                     model_type if format == "hf" else None)
+             for model, tensors in models.items()}
     return _write_models(reader, models, out_dir, format, dtype, map_key, max_shard_bytes,
-                         several=len(models) > 1)
+                         several=len(models) > 1, rules=rules)
 
 
 def export_models(models: Mapping[str, nn.Module], path: str | Path | Location,
@@ -153,9 +165,10 @@ def export_models(models: Mapping[str, nn.Module], path: str | Path | Location,
         tensors = model_tensors(reader.read_metadata())
         configs = (lambda name, directory: write_model_config(models[name], directory)) \
             if format == "hf" else None
+        rules = {name: model_rules(model) for name, model in models.items()}
         written.update(_write_models(reader, tensors, target, format, dtype, map_key,
                                      max_shard_bytes, several=len(models) > 1,
-                                     configs=configs))
+                                     configs=configs, rules=rules))
         storage.remove_tree(staging)
 
     _on_rank_zero(target, join)
@@ -178,24 +191,27 @@ def model_tensors(metadata: Any) -> dict[str, dict[str, Any]]:
 def _write_models(reader: Any, models: dict[str, dict[str, Any]], out_dir: Location,
                   format: ExportFormat, dtype: torch.dtype | None, map_key: KeyMap | None,
                   max_shard_bytes: int, several: bool,
-                  configs: Callable[[str, Path], None] | None = None) -> dict[str, Location]:
+                  configs: Callable[[str, Path], None] | None = None,
+                  rules: Mapping[str, Mapping[str, StackedKey]] | None = None
+                  ) -> dict[str, Location]:
     """Write each model's tensors (``model_tensors``) that ``reader`` reads into ``out_dir``,
     through a local directory that stands for it (``Storage.local_dir``); ``configs(model,
-    directory)`` adds files beside a model's Hugging Face weights."""
+    directory)`` adds files beside a model's Hugging Face weights; ``rules[model]`` splits
+    its stacked tensors in the Hugging Face layout."""
     written: dict[str, Location] = {}
     with storage_for(out_dir).local_dir(out_dir, is_weight_file) as local:
         for model, tensors in models.items():
             target, staging = export_paths(local, model, format, several=several,
                                            make_room=True)
             if format == "safetensors":
-                _write_file(reader, model, {name: name for name in tensors}, tensors, dtype,
-                            staging / target.name)
+                _write_file(reader, model, {name: Part(name) for name in tensors}, tensors,
+                            dtype, staging / target.name)
                 # A failed write leaves the old file whole.
                 (staging / target.name).replace(target)
                 staging.rmdir()
             else:
                 _write_hf(reader, model, tensors, dtype, map_key, max_shard_bytes, target,
-                          staging)
+                          staging, (rules or {}).get(model, {}))
                 if configs is not None:
                     configs(model, target)
             written[model] = below(out_dir, *target.relative_to(local).parts)
@@ -236,32 +252,36 @@ def _on_rank_zero(target: Location, work: Callable[[], None]) -> None:
 
 def _write_hf(reader: Any, model: str, tensors: dict[str, Any], dtype: torch.dtype | None,
               map_key: Callable[[str, str], str | None] | None, max_shard_bytes: int,
-              target: Path, staging: Path) -> None:
-    renamed = exported_names(model, tensors, map_key)  # exported key -> checkpoint key
-    sizes = {key: _exported_bytes(tensors[name], dtype) for key, name in renamed.items()}
+              target: Path, staging: Path, rules: Mapping[str, StackedKey]) -> None:
+    parts = split_names(tensors, rules)  # file key before renaming -> part of a tensor
+    renamed = exported_names(model, parts, map_key)  # exported key -> file key
+    sizes = {key: _exported_bytes(tensors[parts[name].key], dtype,
+                                  sliced=parts[name].index is not None)
+             for key, name in renamed.items()}
     shards = plan_shards(sizes, max_shard_bytes)
     for keys, file_name in zip(shards, shard_file_names(len(shards))):
-        _write_file(reader, model, {key: renamed[key] for key in keys}, tensors, dtype,
+        _write_file(reader, model, {key: parts[renamed[key]] for key in keys}, tensors, dtype,
                     staging / file_name)
     if len(shards) > 1:
         write_index(staging, shards, sizes)
     replace_weights(staging, target)
 
 
-def _write_file(reader: Any, model: str, keys: dict[str, str], tensors: dict[str, Any],
+def _write_file(reader: Any, model: str, keys: dict[str, Part], tensors: dict[str, Any],
                 dtype: torch.dtype | None, path: Path) -> None:
-    """Read the tensors ``keys`` names (exported key -> checkpoint key) and save them."""
+    """Read the tensors ``keys`` takes parts of (exported key -> part) and save the parts."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
     loaded = {name: torch.empty(tensors[name].size, dtype=tensors[name].properties.dtype)
-              for name in keys.values()}
+              for name in {part.key for part in keys.values()}}
     with warnings.catch_warnings():
         # Loading in one process is the point here; DCP warns that it assumes so.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({f"{MODEL_PREFIX}{model}.{name}": tensor for name, tensor in loaded.items()},
                  storage_reader=reader, no_dist=True)
-    out = {key: _cast(loaded[name], dtype).contiguous() for key, name in keys.items()}
+    out = {key: _cast(part.take(loaded[part.key]), dtype).contiguous()
+           for key, part in keys.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     # transformers checks the "format" entry of the header to know the framework.
     save_file(out, str(path), metadata={"format": "pt"})
@@ -271,7 +291,9 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
-def _exported_bytes(entry: Any, dtype: torch.dtype | None) -> int:
+def _exported_bytes(entry: Any, dtype: torch.dtype | None, sliced: bool = False) -> int:
+    """The bytes of the exported tensor (or of one slice along its first dimension)."""
     stored = entry.properties.dtype
     element = (dtype if dtype is not None and stored.is_floating_point else stored).itemsize
-    return element * int(torch.Size(entry.size).numel())
+    size = torch.Size(entry.size[1:] if sliced else entry.size)
+    return element * int(size.numel())

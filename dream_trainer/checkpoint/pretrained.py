@@ -4,9 +4,12 @@ The source is a directory in the Hugging Face layout (see ``weights/hf.py``) or 
 dream_trainer checkpoint. Every model's state dict comes from ``model_state_dict``, so
 its tensors are the live parameters, sharded as the model is (FSDP2, TP, both); torch DCP
 then reads into them only the slices each rank owns (``SliceReader`` for safetensors),
-converting the dtype as it copies. No rank ever holds a full copy of the model. A source
-may be a local directory or an object-store URL (``s3://bucket/prefix``): files are read
-through the storage seam (``checkpoint.storage``), by byte ranges from an object store.
+converting the dtype as it copies. A parameter that the files hold as several tensors (the
+experts of a transformers MoE, ``weights.stacked``) is read from each of them into its rows;
+a rank reads only the tensors of the rows it holds. No rank ever holds a full copy of the
+model. A source may be a local directory or an object-store URL (``s3://bucket/prefix``):
+files are read through the storage seam (``checkpoint.storage``), by byte ranges from an
+object store.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from dream_trainer.checkpoint.export import model_tensors
 from dream_trainer.checkpoint.layout import MODEL_PREFIX, CheckpointError, is_complete
 from dream_trainer.checkpoint.storage import Location, location, storage_for
 from dream_trainer.checkpoint.trust import safe_reader
+from dream_trainer.nn.hf_moe import StackedKey
 from dream_trainer.parallel.dtensor import local_tensor
 from dream_trainer.parallel.state_dict import model_state_dict, renames_keys
 from dream_trainer.weights.hf import KeyMap, check_hf_dir, is_hf_dir, tied_groups
+from dream_trainer.weights.stacked import Box, model_rules, stacked_boxes
 from dream_trainer.world.agree import agree_any, gather_objects, is_launched, is_rank_zero
 
 logger = logging.getLogger(__name__)
@@ -53,6 +58,9 @@ class _Fit:
     """How a source's keys meet a model's: what loads where, and what does not fit."""
 
     targets: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Storage key -> box: a file tensor read into a slice of a stacked parameter.
+    boxes: dict[str, Box] = field(default_factory=dict)
+    stacked: list[torch.Tensor] = field(default_factory=list)  # the parameters boxes fill
     # (copy, loaded): a tied parameter's other copy on this rank, set from the loaded one.
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
@@ -127,7 +135,8 @@ class PretrainedWeights:
         source = self.sources.get(model_name)
         if source is None:
             return set()
-        return {key for file_key in source.tensors
+        owners = _owners(model_rules(self.models[model_name]))
+        return {owners.get(key, key) for file_key in source.tensors
                 if (key := self.map_key(model_name, file_key)) is not None}
 
     def load(self, expected: Iterable[torch.Tensor] = (),
@@ -145,6 +154,8 @@ class PretrainedWeights:
                 set (it would train on NaN).
         """
         from torch.distributed.checkpoint import load
+
+        from dream_trainer.weights.hf_reader import BoxPlanner
 
         filled: set[int] = set()
         for name, source in self.sources.items():
@@ -167,15 +178,18 @@ class PretrainedWeights:
                 with warnings.catch_warnings():
                     # One process is a valid case here; DCP warns that it assumes so.
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                    load(fit.targets, storage_reader=source.reader)
+                    load(fit.targets, storage_reader=source.reader,
+                         planner=BoxPlanner(fit.boxes))
             except Exception as exc:
                 raise CheckpointError(f"failed to load {path} into model {name!r}: "
                                       f"{exc}") from exc
             with torch.no_grad():
                 for copy, loaded in fit.copies:
                     local_tensor(copy).copy_(local_tensor(loaded))
-            logger.info("loaded %d tensors of model %s from %s", len(fit.targets), name, path)
-            filled |= {local_tensor(tensor).data_ptr() for tensor in fit.targets.values()}
+            logger.info("loaded %d tensors of model %s from %s",
+                        len(fit.targets) + len(fit.boxes), name, path)
+            filled |= {local_tensor(tensor).data_ptr()
+                       for tensor in [*fit.targets.values(), *fit.stacked]}
         unfilled = [tuple(tensor.shape) for tensor in map(local_tensor, expected)
                     if tensor.numel() and tensor.data_ptr() not in filled]
         if agree_any(bool(unfilled), device):
@@ -253,10 +267,27 @@ def _match(name: str, model: nn.Module, source: _Source, map_key: KeyMap) -> _Fi
              if isinstance(value, torch.Tensor)}
     fit = _Fit()
     claimed: dict[str, str] = {}
+    rules = model_rules(model)
+    owners = _owners(rules)
+    found: dict[str, dict[int, str]] = {}  # stacked key -> {slice: storage key}
     for file_key, (storage_key, shape) in source.tensors.items():
         key = map_key(name, file_key)
         if key is None:
             continue
+        owner = owners.get(key)
+        if owner is not None and rules[owner].stacked and owner in state:
+            rule = rules[owner]
+            index = rule.parts.index(key)
+            expected = tuple(state[owner].shape[1:])
+            if rule.transposed:
+                expected = (*expected[:-2], expected[-1], expected[-2])
+            if expected != shape:
+                fit.mismatched.append(f"{file_key} (file {shape}, slice {index} of {owner} "
+                                      f"{tuple(state[owner].shape)}: {expected})")
+            else:
+                found.setdefault(owner, {})[index] = storage_key
+            continue
+        key = owner or key  # a tensor the files hold under another name
         shown = file_key if key == file_key else f"{file_key} (as {key})"
         if key not in state:
             fit.unexpected.append(f"{shown} {shape}")
@@ -288,9 +319,28 @@ def _match(name: str, model: nn.Module, source: _Source, map_key: KeyMap) -> _Fi
         elif fit.targets[storage_key] is not tensor:
             fit.copies.append((tensor, fit.targets[storage_key]))
         claimed[key] = storage_key
-    fit.missing = [f"{key} {tuple(tensor.shape)}" for key, tensor in state.items()
-                   if key not in claimed]
+    for key, slices in found.items():
+        if len(slices) < len(rules[key].parts) or key in claimed:
+            continue  # a missing key, listed below, unless the files hold it whole too
+        claimed[key] = key
+        fit.boxes.update(stacked_boxes(state[key], rules[key], slices))
+        fit.stacked.append(state[key])
+    fit.missing = [f"{key} {tuple(tensor.shape)}{_absent(rules.get(key), found.get(key))}"
+                   for key, tensor in state.items() if key not in claimed]
     return fit
+
+
+def _owners(rules: Mapping[str, StackedKey]) -> dict[str, str]:
+    """File key (after ``map_key``) -> the model key of the rule that reads it."""
+    return {part: rule.key for rule in rules.values() for part in rule.parts}
+
+
+def _absent(rule: StackedKey | None, slices: dict[int, str] | None) -> str:
+    """For a missing stacked key: which of its file tensors the files lack."""
+    if rule is None or not rule.stacked:
+        return ""
+    lacking = [part for index, part in enumerate(rule.parts) if index not in (slices or {})]
+    return f" (the files lack {len(lacking)} of its {len(rule.parts)} tensors: {lacking[0]}...)"
 
 
 def _agree(fit: _Fit) -> _Fit:

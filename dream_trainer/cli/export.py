@@ -54,7 +54,10 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                         help="with --format hf, copy the regular files of DIR that are not "
                              "weights (config.json, tokenizer files) next to the exported "
                              "weights, e.g. the pretrained directory the run started from; "
-                             "symbolic links are skipped, never followed")
+                             "symbolic links are skipped, never followed. Its config.json's "
+                             "model_type (mixtral, qwen3_moe) also says how converted MoE "
+                             "layers are written: one tensor per expert, as transformers "
+                             "saves them")
     parser.set_defaults(run=run, takes_overrides=False)
     return parser
 
@@ -102,11 +105,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
                   "map_exported_key (it is not a SetupMixin trainer)", file=sys.stderr)
             return 1
     try:
+        model_type = _model_type(args.config_from) if args.config_from is not None else None
         written = export_checkpoint(
             args.checkpoint, args.out_dir, format=args.format,
             dtype=getattr(torch, DTYPES[args.dtype]) if args.dtype else None, map_key=map_key,
             max_shard_bytes=args.max_shard_size or DEFAULT_MAX_SHARD_BYTES,
-            overwrite=args.overwrite)
+            overwrite=args.overwrite, model_type=model_type)
         for path in written.values():
             if args.config_from is not None:
                 _copy_config(args.config_from, path)
@@ -116,6 +120,28 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     for model, path in written.items():
         print(f"{model}: {path}")
     return 0
+
+
+def _model_type(directory: Path) -> str | None:
+    """The ``model_type`` of ``directory``'s ``config.json``; None without the file or key.
+
+    Raises:
+        ValueError: naming the file, if it is not a JSON object.
+    """
+    import json
+
+    config = directory / "config.json"
+    if not config.is_file() or config.is_symlink():
+        return None
+    try:
+        data = json.loads(config.read_text())
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"--config-from {config} is not JSON ({exc}): fix or remove it") \
+            from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"--config-from {config} is not a JSON object: fix or remove it")
+    model_type = data.get("model_type")
+    return model_type if isinstance(model_type, str) else None
 
 
 def _copy_config(source: Path, target: Any) -> None:

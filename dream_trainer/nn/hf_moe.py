@@ -13,14 +13,73 @@ the last ``I``, applied as ``F.linear``; ``experts.down_proj`` is ``[E, H, I]``.
 with softmax scores, the block's ``top_k``, and ``normalize_scores`` from the router's
 ``norm_topk_prob`` (Mixtral, which has none, always normalizes). ``transformers`` is never
 imported here: blocks are recognized by that layout.
+
+Their files hold other keys: ``save_pretrained`` writes one tensor per expert and stacks them
+only when it loads. Each converted layer of a known model type carries the ``ExpertFileLayout``
+of its files (``HF_FILE_LAYOUT``), from which ``StackedKey`` rules map its stacked parameters
+to those tensors and back (``init_weights_from`` and ``export_weights(format="hf")`` use them).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from dream_trainer.nn.moe import MoE
+
+HF_FILE_LAYOUT = "hf_file_layout"
+"""The attribute of an ``MoE`` layer made by ``replace_hf_moe_blocks`` that holds the
+``ExpertFileLayout`` of its block's files (absent for a model type without a declared one)."""
+
+
+@dataclass(frozen=True)
+class StackedKey:
+    """How files hold the model tensor ``key``: as the file tensors ``parts`` stacked along a
+    new first dimension (slice ``i`` is ``parts[i]``, its last two dimensions swapped when
+    ``transposed``), or, when ``stacked`` is False, as the one tensor ``parts[0]``."""
+
+    key: str
+    parts: tuple[str, ...]
+    stacked: bool = True
+    transposed: bool = False
+
+
+@dataclass(frozen=True)
+class ExpertFileLayout:
+    """Where transformers' files keep an MoE block's weights: beside the block's module,
+    under ``block`` (None: the module's own name), the router as ``gate.weight`` and expert
+    ``e``'s gate, up and down projections as ``experts.<e>.<gate|up|down>.weight``, each an
+    ``nn.Linear`` weight (``[out, in]``)."""
+
+    block: str | None
+    gate: str
+    up: str
+    down: str
+
+    def keys(self, name: str, num_experts: int) -> tuple[StackedKey, ...]:
+        """The rules of the ``MoE`` layer called ``name`` (its key prefix) in the model."""
+        parent, _, own = name.rpartition(".")
+        block = ".".join(part for part in (parent, self.block or own) if part)
+
+        def experts(projection: str) -> tuple[str, ...]:
+            return tuple(f"{block}.experts.{expert}.{projection}.weight"
+                         for expert in range(num_experts))
+
+        return (StackedKey(f"{name}.router.weight", (f"{block}.gate.weight",), stacked=False),
+                StackedKey(f"{name}.experts.w1", experts(self.gate), transposed=True),
+                StackedKey(f"{name}.experts.w3", experts(self.up), transposed=True),
+                StackedKey(f"{name}.experts.w2", experts(self.down), transposed=True))
+
+
+FILE_LAYOUTS: dict[str, ExpertFileLayout] = {
+    # transformers 5 keeps Mixtral's older module names in its files.
+    "mixtral": ExpertFileLayout("block_sparse_moe", "w1", "w3", "w2"),
+    "qwen3_moe": ExpertFileLayout(None, "gate_proj", "up_proj", "down_proj"),
+}
+"""The file layout of each transformers model type (``config.model_type``) whose MoE
+blocks ``replace_hf_moe_blocks`` converts and whose files it can read and write."""
 
 
 def is_hf_moe_block(module: nn.Module) -> bool:
@@ -73,6 +132,9 @@ def replace_hf_moe_blocks(model: nn.Module) -> list[str]:
     """Replace every transformers MoE block of ``model`` by the ``MoE`` of ``moe_from_hf``, in
     place; return the replaced modules' names. The model's outputs do not change (up to float
     rounding); its parameter names under each block do (``router.weight``, ``experts.w1`` ...).
+    For a model type of ``FILE_LAYOUTS`` each new layer carries its files' layout
+    (``HF_FILE_LAYOUT``), so that ``init_weights_from`` reads the files ``save_pretrained``
+    wrote and ``export_weights(format="hf")`` writes them.
 
     Raises:
         ValueError: as ``moe_from_hf``, for the first block it cannot convert (the model is
@@ -80,7 +142,10 @@ def replace_hf_moe_blocks(model: nn.Module) -> list[str]:
     """
     found = [(name, module) for name, module in model.named_modules() if is_hf_moe_block(module)]
     layers = [moe_from_hf(module) for _, module in found]  # every check before any change
+    layout = FILE_LAYOUTS.get(getattr(getattr(model, "config", None), "model_type", None))
     for (name, _), layer in zip(found, layers):
+        if layout is not None:
+            setattr(layer, HF_FILE_LAYOUT, layout)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, layer)
     return [name for name, _ in found]

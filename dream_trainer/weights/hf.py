@@ -5,6 +5,8 @@ A Hugging Face weights directory holds ``model.safetensors``, or shards
 to its shard. ``export_live`` writes that layout from models of any parallel layout with
 torch DCP's ``HuggingFaceStorageWriter``: every rank writes its own slices, then rank 0
 consolidates them into full tensors (the ranks need a shared filesystem, as checkpoints do).
+A stacked parameter that transformers' files hold as one tensor per expert
+(``weights.stacked``) is written so, each rank writing the experts it holds.
 
 Reading goes through ``Files``, the storage that holds the directory (a local one or an
 object store: ``dream_trainer.checkpoint.storage`` provides both), so the same checks and
@@ -26,10 +28,12 @@ import torch
 from torch import nn
 
 from dream_trainer.errors import CheckpointError
+from dream_trainer.nn.hf_moe import StackedKey
 from dream_trainer.parallel.hf_init import is_hf_model
 from dream_trainer.parallel.names import clean_name, unwrap_ddp
 from dream_trainer.parallel.pipeline import PipelineStages, unwrap_stage
 from dream_trainer.parallel.state_dict import model_state_dict
+from dream_trainer.weights.stacked import model_rules, split_local
 from dream_trainer.world.agree import barrier, from_rank_zero, gather_objects, is_rank_zero
 
 logger = logging.getLogger(__name__)
@@ -167,12 +171,15 @@ def tied_groups(model: nn.Module) -> dict[str, int]:
 
 
 def exported_state(name: str, model: nn.Module, map_key: KeyMap | None,
-                   dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+                   dtype: torch.dtype | None,
+                   rules: Mapping[str, StackedKey] | None = None) -> dict[str, torch.Tensor]:
     """The model's tensors as they are exported: sharded as the model is, tied copies
-    dropped (the first key of each tied group is kept), keys mapped, floats cast.
+    dropped (the first key of each tied group is kept), split as ``rules`` say (each rank
+    contributes the slices of a stacked tensor it holds), keys mapped, floats cast.
 
     Raises:
-        ValueError: if two keys map to the same exported key.
+        ValueError: if two keys map to the same exported key, or a stacked tensor is sharded
+            along another dimension than its first.
     """
     groups = tied_groups(model)
     seen_groups: set[int] = set()
@@ -186,6 +193,8 @@ def exported_state(name: str, model: nn.Module, map_key: KeyMap | None,
                 continue
             seen_groups.add(group)
         tensors[key] = tensor
+    if rules:
+        tensors = split_local(tensors, rules)
     exported = {}
     for target, key in exported_names(name, tensors, map_key).items():
         tensor = tensors[key]
@@ -234,7 +243,9 @@ def export_live(models: Mapping[str, nn.Module], path: Path, format: ExportForma
     check_out_dir_on_rank_zero(path, overwrite, files)
     written = {}
     for name, model in models.items():
-        state = exported_state(name, model, map_key if format == "hf" else None, dtype)
+        hf = format == "hf"
+        state = exported_state(name, model, map_key if hf else None, dtype,
+                               model_rules(model) if hf else None)
         target, staging = export_paths(path, name, format, several=len(models) > 1,
                                        make_room=is_rank_zero())
         if format == "hf":

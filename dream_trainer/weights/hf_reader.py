@@ -13,27 +13,33 @@ safetensors header whose tensors fill its data exactly, with only dtypes this re
 and the chunks of every tensor (several files may each hold a part, placed by their
 ``DCP_SHARDING_INFO``) cover it exactly once. With the shapes matched to the model's
 (``PretrainedWeights``), every element of every target tensor is then written by the load.
+``BoxPlanner`` adds the file tensors that fill slices of a stacked parameter
+(``weights.stacked``): a rank reads only the parts of them that its shard holds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.futures import Future
 
 from dream_trainer.errors import CheckpointError
 from dream_trainer.weights.hf import Files, safetensors_names
+from dream_trainer.weights.stacked import Box
 
 _BUFFER_BYTES = 16 * 2**20
 _MAX_HEADER_BYTES = 100 * 2**20  # the safetensors format's own limit
@@ -328,3 +334,31 @@ def _read_box(file: IO[bytes], entry: dict[str, Any], data_start: int, item: Rea
     if not direct:
         target.copy_(flat.view(target.shape))
     planner.commit_tensor(item, target)
+
+
+class BoxPlanner(DefaultLoadPlanner):
+    """DCP's load planner, which also reads the ``boxes`` (storage key -> box) of file
+    tensors into their targets: only the elements a box covers are read."""
+
+    def __init__(self, boxes: Mapping[str, Box]) -> None:
+        super().__init__()
+        self.boxes = dict(boxes)
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        stored = self.metadata.state_dict_metadata  # type: ignore[union-attr]
+        items = [item for key, (offsets, target) in self.boxes.items()
+                 for item in create_read_items_for_chunk_list(
+                     key, stored[key],  # type: ignore[arg-type]
+                     [ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                           sizes=target.shape)])]
+        return dataclasses.replace(plan, items=[*plan.items, *items])
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        box = self.boxes.get(read_item.dest_index.fqn)
+        if box is None:
+            return super().resolve_tensor(read_item)
+        target = box[1]
+        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            target = target.narrow(dim, offset, length)
+        return target
