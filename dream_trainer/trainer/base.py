@@ -20,12 +20,11 @@ from dream_trainer.trainer.config import BaseTrainerConfig
 from dream_trainer.trainer.epoch_plan import plan_train_steps
 from dream_trainer.trainer.item_weighting import ItemWeighting
 from dream_trainer.trainer.loop_state import LoopState
-from dream_trainer.trainer.phases import (CLOSING_PHASES, call_through, check_config_mixins,
-                                          run_phase, runs_on)
+from dream_trainer.trainer.phases import call_through, check_config_mixins, phase_calls, runs_on
 from dream_trainer.trainer.schedulers import planned_optimizer_steps
 from dream_trainer.trainer.step_api import StepAPI
 from dream_trainer.trainer.validation import ValidationLoop, check_result, stop_is_an_error
-from dream_trainer.utils.averaging import ResultAverager
+from dream_trainer.utils.averaging import Number, ResultAverager, Scalars, scalars
 from dream_trainer.world.materialization import Materialization
 from dream_trainer.world.world import DistributedWorld
 
@@ -80,7 +79,8 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
         self._epoch_result: dict[str, float] | None = None
         self._train_batches: TrainBatches | None = None
         self._configured = False
-        self._step_results = ResultAverager(self.world.device)
+        # The current optimizer step's averaged entries, read only by reduce_step_result().
+        self._step_results: list[tuple[Scalars, Number]] = []
         self.reduced_step_result: tuple[int, dict[str, float]] | None = None
         """``(global_step, values)`` of the latest ``reduce_step_result()``, for readers on one
         rank (the progress bar); None before the first."""
@@ -275,8 +275,7 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
             self._validate_after_step()
         averager = ResultAverager(self.world.device)
         for batch_idx, batch in numbered_batches(batches, start, "train"):
-            self._train_batch(batch, batch_idx, averager)
-            if self.is_accumulating_gradients:
+            if not self._train_batch(batch, batch_idx, averager):
                 continue
             if self._batches_done == n_batches:
                 # Before the step's checkpoint, which keeps it for a run resumed from there.
@@ -337,13 +336,15 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
         params = self.training_parameters
         return params.train_batch_size * params.gradient_accumulation_steps * self.world.dp_size
 
-    def _train_batch(self, batch: Any, batch_idx: int, averager: ResultAverager) -> None:
+    def _train_batch(self, batch: Any, batch_idx: int, averager: ResultAverager) -> bool:
+        """Train on one micro-batch; return whether it ended an optimizer step."""
         self._batch_idx = batch_idx
-        if batch_idx % self.training_parameters.gradient_accumulation_steps == 0:
+        accumulation = self.training_parameters.gradient_accumulation_steps
+        if batch_idx % accumulation == 0:
             self.item_weighting.start_window()
-            self._step_results = ResultAverager(self.world.device)
+            self._step_results = []
         self.item_weighting.start_micro_batch()
-        if self.training_parameters.gradient_accumulation_steps > 1:
+        if accumulation > 1:
             sync = not self.is_accumulating_gradients
             for model in self.named_models().values():
                 self.data_parallel.set_gradient_sync(model, sync)
@@ -353,14 +354,15 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
             result = check_result(self.training_step(batch, batch_idx), "training_step")
         self.local_batches += 1
         self._batches_done = batch_idx + 1
-        self._window_open = self.is_accumulating_gradients
-        if not self.is_accumulating_gradients:
+        accumulating = self._window_open = self.is_accumulating_gradients
+        if not accumulating:
             self.precision.update()
             self.global_step += 1
-        weight = self._result_weight(result, batch)
-        averager.update(result, weight)
-        self._step_results.update(result, weight)
+        values, weight = scalars(result), self._result_weight(result, batch)
+        averager.add(values, weight)
+        self._step_results.append((values, weight))
         self._fire("post_train_batch", result, batch_idx)
+        return not accumulating
 
     def train_window(self, batches: Iterable[Any]) -> None:
         """Train on one accumulation window outside the epoch loop, after ``set_up()``.
@@ -405,7 +407,10 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
         log, so other steps cost nothing but a list append per micro-batch.
         """
         if self.reduced_step_result is None or self.reduced_step_result[0] != self.global_step:
-            self.reduced_step_result = (self.global_step, self._step_results.compute())
+            averager = ResultAverager(self.world.device)
+            for values, weight in self._step_results:
+                averager.add(values, weight)
+            self.reduced_step_result = (self.global_step, averager.compute())
         return dict(self.reduced_step_result[1])
 
     def _after_optimizer_step(self) -> bool:
@@ -450,19 +455,16 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
     def _fire(self, hook: str, *args: Any) -> None:
         """Run the mixins' work at ``hook``, the trainer's own hook, then every callback's, in
         insertion order."""
-        self._fire_phase(hook, *args)
+        for name in phase_calls(type(self), hook):
+            getattr(self, name)(*args)
         for listener in self.callbacks.listeners(hook):
             listener(*args)
 
     def _fire_phase(self, phase: str, *args: Any) -> None:
         """Run the mixins' ``@runs_on(phase)`` work, then the trainer's public method (the
         other way round for a closing phase such as ``post_fit``)."""
-        closing = phase in CLOSING_PHASES
-        if not closing:
-            run_phase(self, phase, *args)
-        getattr(self, phase)(*args)
-        if closing:
-            run_phase(self, phase, *args)
+        for name in phase_calls(type(self), phase):
+            getattr(self, name)(*args)
 
     def _set_train_mode(self, training: bool) -> None:
         """Switch the models to train or eval mode; a model without trainable parameters (a

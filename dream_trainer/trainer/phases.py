@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from dream_trainer.trainer.hooks import HOOK_NAMES
+from dream_trainer.trainer.hooks import HOOK_NAMES, TrainerHooks
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +68,14 @@ def handlers(cls: type, phase: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(ordered))  # a name redefined lower in the MRO runs once
 
 
-def run_phase(trainer: object, phase: str, *args: Any) -> None:
-    """Run every handler ``trainer``'s class marked for ``phase``."""
-    for name in handlers(type(trainer), phase):
-        getattr(trainer, name)(*args)
+@functools.cache
+def phase_calls(cls: type, phase: str) -> tuple[str, ...]:
+    """The names of the methods ``cls`` runs at ``phase``, in order: its handlers, then its
+    public method of that name (first for ``CLOSING_PHASES``). A public hook ``cls`` leaves as
+    ``TrainerHooks``' no-op is left out: a hook nobody overrides costs nothing per step."""
+    own = () if getattr(cls, phase) is getattr(TrainerHooks, phase, None) else (phase,)
+    work = handlers(cls, phase)
+    return own + work if phase in CLOSING_PHASES else work + own
 
 
 def run_phase_to_the_end(trainer: object, phase: str) -> None:

@@ -3,8 +3,9 @@ and the number of optimizer steps a run plans (what step-driven schedules span).
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch.optim.lr_scheduler import LRScheduler
@@ -14,7 +15,17 @@ from dream_trainer.configs.training import TrainingParameters
 
 def takes_metric(scheduler: LRScheduler) -> bool:
     """True when ``scheduler.step`` needs a value (``ReduceLROnPlateau.step(metrics)``)."""
-    parameters = list(inspect.signature(scheduler.step).parameters.values())
+    step = scheduler.step
+    function = getattr(step, "__func__", None)
+    # step() asks at every optimizer step: the signature is read once per step function.
+    return _needs_value(step, bound=False) if function is None \
+        else _needs_value(function, bound=True)
+
+
+@functools.cache
+def _needs_value(step: Callable[..., Any], bound: bool) -> bool:
+    """Whether ``step``'s first argument (after ``self`` when ``bound``) is required."""
+    parameters = list(inspect.signature(step).parameters.values())[1 if bound else 0:]
     return bool(parameters) and parameters[0].default is inspect.Parameter.empty \
         and parameters[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
                                    inspect.Parameter.POSITIONAL_OR_KEYWORD)

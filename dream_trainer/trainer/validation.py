@@ -180,9 +180,11 @@ def check_result(result: Any, step_name: str) -> dict[str, Any]:
     Raises:
         TypeError: if it is not a mapping.
     """
+    if isinstance(result, dict):  # the usual result, checked before the slower Mapping
+        return result
     if not isinstance(result, Mapping):
         raise TypeError(
             f"{step_name} must return a dict of values (for example {{'loss': loss}}), "
             f"got {type(result).__name__}"
         )
-    return dict(result) if not isinstance(result, dict) else result
+    return dict(result)

@@ -11,7 +11,8 @@ import pytest
 
 from dream_trainer.configs import LoggingParameters
 from dream_trainer.mixins import CheckpointMixin, JSONLoggerConfigMixin, JSONLoggerMixin
-from dream_trainer.trainer.phases import handlers, runs_on
+from dream_trainer.trainer.hooks import TrainerHooks
+from dream_trainer.trainer.phases import handlers, phase_calls, runs_on
 from tests.helpers.checkpointing import checkpointed_config
 from tests.helpers.metrics import MetricsConfig, MetricsTrainer
 from tests.helpers.toy import ToyConfig, ToyTrainer, toy_config
@@ -144,3 +145,24 @@ def test_handlers_run_in_the_order_of_a_super_chain() -> None:
     # super-chain: A works, B defers, C works, D defers; unwinding runs D's, then B's.
     assert handlers(Trainer, "post_epoch") == ("a", "c", "d", "b")
     assert handlers(Trainer, "pre_epoch") == ()
+
+
+def test_phase_calls_leave_out_hooks_nobody_overrides() -> None:
+    # What _fire runs: handlers, then the public hook (first for a closing phase); a hook left
+    # as TrainerHooks' no-op is not called at all, so an unused hook costs no call per step.
+    class Quiet(TrainerHooks):
+        @runs_on("post_fit")
+        def close(self) -> None: ...
+
+    class Busy(Quiet):
+        @runs_on("post_train_batch")
+        def count(self, result: dict[str, Any], batch_idx: int) -> None: ...
+
+        def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None: ...
+
+        def post_fit(self) -> None: ...
+
+    assert phase_calls(Quiet, "post_train_batch") == ()
+    assert phase_calls(Quiet, "post_fit") == ("close",)
+    assert phase_calls(Busy, "post_train_batch") == ("count", "post_train_batch")
+    assert phase_calls(Busy, "post_fit") == ("post_fit", "close")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -40,3 +41,34 @@ def test_folding_keeps_long_epochs_exact(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_empty_epoch_gives_empty_result() -> None:
     assert ResultAverager(torch.device("cpu")).compute() == {}
+
+
+def test_a_fold_over_mixed_columns_gives_the_exact_weighted_means(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Folds convert a whole column at once where they can (numbers; tensors of one kind) and
+    # item by item otherwise; either way every value counts with its own step's weight.
+    monkeypatch.setattr(averaging, "_FOLD_EVERY", 3)
+    big = 2**40 + 1  # exact in float64, not in float32
+    steps: list[tuple[dict[str, Any], Any]] = [
+        ({"loss": torch.tensor(1.0), "big": torch.tensor(big), "num_items": 2}, 2),
+        ({"loss": 3, "big": torch.tensor([big + 2])}, torch.tensor(4)),
+        ({"loss": torch.tensor(5.0, dtype=torch.float64), "only": 7.5}, 1),
+        ({"loss": torch.tensor(float("nan")), "num_items": 3, "only": 1.5}, 0),  # counts 0
+        ({"loss": torch.tensor([[2.0]]), "big": big + 4, "only": 3.5}, 1),
+    ]
+    averager = ResultAverager(torch.device("cpu"))
+    for result, weight in steps:
+        averager.update(result, weight)
+    assert averager.compute() == {"loss": (1 * 2 + 3 * 4 + 5 * 1 + 2 * 1) / 8,
+                                  "big": (big * 2 + (big + 2) * 4 + (big + 4)) / 7,
+                                  "num_items": 5.0, "only": (7.5 + 3.5) / 2}
+
+
+def test_scalars_detach_only_what_holds_a_graph() -> None:
+    leaf = torch.tensor(2.0, requires_grad=True)
+    plain = torch.tensor(3.0)
+    values = averaging.scalars({"loss": leaf * 1, "norm": plain, "list": torch.ones(2),
+                                "flag": True, "name": "x", "step": 4})
+    assert [key for key, _ in values] == ["loss", "norm", "step"]
+    assert not values[0][1].requires_grad  # type: ignore[union-attr]
+    assert values[1][1] is plain and values[2][1] == 4
