@@ -126,7 +126,7 @@ def test_a_damaged_or_incomplete_checkpoint_is_skipped(s3: S3Server, s3_url: str
     with pytest.raises(CheckpointError, match="step_8 is not a complete checkpoint"):
         CheckpointedTrainer(checkpointed_config(
             s3_url, resume=f"{root}/step_8")).fit()  # type: ignore[arg-type]
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="dream_trainer"):
         resumed = train(s3_url, epochs=1, every_n_steps=4, resume="latest")
     assert f"skipping {root}/step_10: checkpoint file {root}/step_10/__0_0.distcp does not " \
         "match" in caplog.text
@@ -179,7 +179,7 @@ def test_server_stopped_mid_run_then_restarted_resumes(s3: S3Server, s3_url: str
     root = checkpoints(s3_url)
     assert [info.step for info in complete_checkpoints(root)] == [4]
     verify_files(root / "step_4", safe_reader(str(root / "step_4")).read_metadata())
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="dream_trainer"):
         resumed = train(s3_url, every_n_steps=4, resume="latest")
     assert f"resumed from {root}/step_4 at global step 4" in caplog.text
     assert_same_state(final_state(resumed), expected)
