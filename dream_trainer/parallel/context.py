@@ -5,8 +5,9 @@ Every tensor input and target is cut along the sequence dimension into ``2 x cp`
 so that under causal attention each rank has the same work. Everything but attention is
 per token and runs on the local part unchanged. Attention all-gathers the keys and values
 of the whole sequence over ``cp`` (in backward their gradients are summed back to their
-owners) and masks each local query by global positions, so a rank's queries see exactly
-the keys one process would show them.
+owners), and each local chunk of queries attends to the keys up to its global position
+(without a mask tensor: see ``_CausalChunks``), so a rank's queries see exactly the keys one
+process would show them.
 
 Why an all-gather rather than a ring: it is Llama 3's design for long-context training, it
 runs any SDPA kernel unchanged (the CPU kernels included, which torch's ring implementation
