@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Iterator
 from concurrent.futures import Future
 from types import ModuleType
 from typing import Any
@@ -15,8 +14,7 @@ import torch.distributed as dist
 from pydantic import Field
 
 from dream_trainer.checkpoint.agreement import (check_shapes, commit, config_changes, failures,
-                                                find_problem, gather, innermost, root_cause,
-                                                saved_config, take_lock)
+                                                find_problem, gather, saved_config, take_lock)
 from dream_trainer.checkpoint.layout import (CONFIG, INFO, METADATA, CheckpointError,
                                              CheckpointInfo, complete_checkpoints, is_complete,
                                              step_dir, step_dirs)
@@ -25,6 +23,7 @@ from dream_trainer.checkpoint.rng import resized_streams, set_rng_state
 from dream_trainer.checkpoint.state import SHARED, TrainingState, check_shared, digest
 from dream_trainer.checkpoint.storage import Location, RunLockLike, location, storage_for
 from dream_trainer.checkpoint.trust import safe_reader
+from dream_trainer.checkpoint.write_errors import explain_write_errors
 from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.checkpoint import CheckpointParameters
 from dream_trainer.parallel.dtensor import local_tensor
@@ -148,7 +147,8 @@ class CheckpointMixin(AbstractTrainer):
                      if enabled else "nothing saved: checkpoint_parameters.enabled is False")
             self.preempted = True
             self._preemption.uninstall()
-            by = self._preemption.signal.name if self._preemption.signal else "a signal on another rank"
+            signal = self._preemption.signal
+            by = signal.name if signal else "a signal on another rank"
             raise StopTraining(f"preempted by {by}; {saved}")
         every = self.checkpoint_parameters.every_n_steps
         if not (enabled and every is not None and self.global_step % every == 0):
@@ -272,46 +272,8 @@ class CheckpointMixin(AbstractTrainer):
                 future.result()
             self._committed(info)
 
-    @contextlib.contextmanager
-    def _explain_write_errors(self, path: Location) -> Iterator[None]:
-        """Turn a failed write (full disk, read-only directory, unreachable object store) into
-        an error saying what is kept; the half-written checkpoint has no marker, so resume
-        skips it."""
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        storage = storage_for(path)
-        try:
-            yield
-        except (*storage.failures, CheckpointException) as exc:
-            # DCP gathers every rank's error into one exception: name the real causes.
-            errors = [innermost(error) for error in exc.failures.values()] \
-                if isinstance(exc, CheckpointException) else [exc]
-            cause = "; ".join(f"rank {rank}: {root_cause(error)}"
-                              for rank, error in exc.failures.items()) \
-                if isinstance(exc, CheckpointException) else str(exc)
-            advice = next((found for error in errors
-                           if (found := storage.advice(path, error)) is not None), None)
-            raise CheckpointError(
-                f"could not write checkpoint {path}: {cause}"
-                + ("" if advice is None else f" ({advice})")
-                + self._free_space() + ". Training state in memory is unchanged; resume "
-                "would use " + self._kept()
-            ) from exc
-
-    def _free_space(self) -> str:
-        try:
-            free = storage_for(self.checkpoint_dir).free_bytes(self.checkpoint_dir)
-        except OSError:
-            return ""
-        return "" if free is None else f" ({free} bytes free on its device)"
-
-    def _kept(self) -> str:
-        """The checkpoint resume would use, for an error message (or why it is unknown)."""
-        try:
-            kept = complete_checkpoints(self.checkpoint_dir)
-        except (*storage_for(self.checkpoint_dir).failures, CheckpointError) as exc:
-            return f"the newest complete checkpoint (they cannot be listed now: {exc})"
-        return str(kept[-1].path) if kept else "no checkpoint (none is complete)"
+    def _explain_write_errors(self, path: Location) -> contextlib.AbstractContextManager[None]:
+        return explain_write_errors(path, self.checkpoint_dir)
 
     def _committed(self, info: CheckpointInfo) -> None:
         """Checksum and complete the checkpoint, then apply retention (collective)."""
