@@ -63,7 +63,10 @@ class Block(nn.Module):
                    for proj in (self.q, self.k, self.v))
         attn = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True)
         x = x + self.o(attn.transpose(1, 2).reshape(batch, seq, -1))
-        return x + self.w2(F.gelu(self.w1(self.norm2(x))))
+        return x + self.feed_forward(self.norm2(x))
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(h)))
 
 
 class RotaryGPT(nn.Module):

@@ -19,7 +19,6 @@ import sys
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -28,7 +27,7 @@ from dream_trainer.nn import MoE
 from dream_trainer.parallel.dtensor import is_dtensor
 from dream_trainer.parallel.names import canonical_name
 from tests.helpers.launch import save_on_rank_zero
-from tests.helpers.rotary_gpt import DIM, HEAD_DIM, GPTConfig, Rotary, RotaryGPT, RotaryGPTTrainer
+from tests.helpers.rotary_gpt import DIM, Block, GPTConfig, RotaryGPT, RotaryGPTTrainer
 from tests.scripts.context_runs import ACCUMULATION, GLOBAL_BATCH, Recorder
 from tests.scripts.layout_matrix import everyone
 
@@ -44,26 +43,17 @@ LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {
 }
 
 
-class MoEBlock(nn.Module):
-    """The rotary GPT's block with an ``MoE`` layer for its feed-forward network."""
+class MoEBlock(Block):
+    """The rotary block with an MoE layer in place of its MLP."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(DIM)
-        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
-        self.rope = Rotary()
-        self.norm2 = nn.LayerNorm(DIM)
+        del self.w1, self.w2
         self.moe = MoE(DIM, DIM, EXPERTS, TOP_K, num_shared_experts=1,
                        bias_update_rate=BIAS_RATE)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        batch, seq, _ = h.shape
-        q, k, v = (proj(h).view(batch, seq, -1, HEAD_DIM).transpose(1, 2)
-                   for proj in (self.q, self.k, self.v))
-        attn = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True)
-        x = x + self.o(attn.transpose(1, 2).reshape(batch, seq, -1))
-        return x + self.moe(self.norm2(x))
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.moe(h)
 
 
 class MoEGPT(RotaryGPT):
