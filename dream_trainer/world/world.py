@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import random
@@ -348,10 +347,6 @@ class DistributedWorld:
         finally:
             dist.destroy_process_group()
             self._owns_process_group = False
-            # Meshes and wrapped models left in reference cycles still hold the groups: freed
-            # at interpreter exit instead, a gloo group's destructor can abort the process
-            # ("terminate called without an active exception", seen in 2-rank doc examples).
-            gc.collect()
 
     def __repr__(self) -> str:
         return (f"DistributedWorld(rank={self.rank}, world_size={self.world_size}, "
