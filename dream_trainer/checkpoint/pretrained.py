@@ -32,7 +32,8 @@ from dream_trainer.checkpoint.storage import Location, location, storage_for
 from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.nn.hf_moe import StackedKey
 from dream_trainer.parallel.dtensor import local_tensor
-from dream_trainer.parallel.state_dict import model_state_dict, renames_keys
+from dream_trainer.parallel.state_dict import (load_model_state_dict, model_state_dict,
+                                               renames_keys, state_keys)
 from dream_trainer.weights.hf import KeyMap, check_hf_dir, is_hf_dir, tied_groups
 from dream_trainer.weights.stacked import Box, model_rules, stacked_boxes
 from dream_trainer.world.agree import agree_any, gather_objects, is_launched, is_rank_zero
@@ -66,6 +67,9 @@ class _Fit:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
+    # The whole state dict of a model whose hooks rename keys: its tensors may be copies
+    # (a fused weight's parts), which reach the parameters through its load hooks.
+    hooked: dict[str, torch.Tensor] | None = None
 
 
 def resolve_sources(init_weights_from: str | Path | Mapping[str, str | Path],
@@ -100,7 +104,10 @@ class PretrainedWeights:
 
     Opening the sources reads only their metadata, so the names of the parameters that the
     files will set are known while the models are still on the meta device: materialization
-    skips initializing them (``names``), and ``load`` then fills them.
+    skips initializing them (``names``), and ``load`` then fills them. A model whose
+    state-dict hooks rename keys (a fused q/k/v weight saved as three) is loaded through its
+    own load hooks; the parameters behind its renamed keys are initialized first, then
+    overwritten.
 
     Args:
         models: The trainer's models by name.
@@ -135,9 +142,14 @@ class PretrainedWeights:
         source = self.sources.get(model_name)
         if source is None:
             return set()
-        owners = _owners(model_rules(self.models[model_name]))
-        return {owners.get(key, key) for file_key in source.tensors
+        model = self.models[model_name]
+        owners = _owners(model_rules(model))
+        keys = {owners.get(key, key) for file_key in source.tensors
                 if (key := self.map_key(model_name, file_key)) is not None}
+        if renames_keys(model):
+            # A parameter whose name a hook replaced cannot be set by a file key of that name.
+            keys &= state_keys(model)
+        return keys
 
     def load(self, expected: Iterable[torch.Tensor] = (),
              device: torch.device = torch.device("cpu")) -> None:
@@ -186,6 +198,8 @@ class PretrainedWeights:
             with torch.no_grad():
                 for copy, loaded in fit.copies:
                     local_tensor(copy).copy_(local_tensor(loaded))
+            if fit.hooked is not None and fit.targets:
+                _load_through_hooks(name, self.models[name], fit.hooked)
             logger.info("loaded %d tensors of model %s from %s",
                         len(fit.targets) + len(fit.boxes), name, path)
             filled |= {local_tensor(tensor).data_ptr()
@@ -197,6 +211,19 @@ class PretrainedWeights:
                 "init_weights_from did not set parameters that were left for it (shapes "
                 f"{unfilled[:5] or 'on another rank'}): their state-dict names differ from "
                 "their parameter names; set init_weights_strict=True to see the keys")
+
+
+def _load_through_hooks(name: str, model: nn.Module, state: dict[str, Any]) -> None:
+    """Give ``model`` its state dict back through ``load_state_dict``, whose hooks carry the
+    loaded values (under renamed keys) into the parameters."""
+    try:
+        with torch.no_grad():
+            load_model_state_dict(model, state)
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"init_weights_from loaded model {name!r} under the keys its state-dict hooks "
+            f"write, but its load_state_dict does not take them back ({exc}); give it a load "
+            "pre-hook that maps them to its parameters (as for a resume)") from exc
 
 
 def _read(path: Location, read: Callable[[], T]) -> T:
@@ -256,16 +283,9 @@ def _exists(path: Location) -> bool:
 
 def _match(name: str, model: nn.Module, source: _Source, map_key: KeyMap) -> _Fit:
     """Pair the source's keys with the model's (after ``map_key``); one rank's view."""
-    if renames_keys(model):
-        # Its keys name no parameter, so the initialization that follows the load could not
-        # tell what the files set: refuse rather than overwrite loaded weights.
-        raise CheckpointError(
-            f"init_weights_from cannot load model {name!r}: a state-dict hook of it renames "
-            "its keys (as a fused q/k/v layer does), which init_weights_from does not support "
-            "yet; start from a checkpoint with resume=<checkpoint> and load_weights_only=True")
-    state = {key: value for key, value in model_state_dict(model).items()
-             if isinstance(value, torch.Tensor)}
-    fit = _Fit()
+    whole = model_state_dict(model)
+    state = {key: value for key, value in whole.items() if isinstance(value, torch.Tensor)}
+    fit = _Fit(hooked=whole if renames_keys(model) else None)
     claimed: dict[str, str] = {}
     rules = model_rules(model)
     owners = _owners(rules)

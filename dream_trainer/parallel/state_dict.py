@@ -18,13 +18,19 @@ from torch import nn
 from dream_trainer.parallel.names import clean_name, unwrap_ddp
 
 
+def state_keys(model: nn.Module) -> set[str]:
+    """The keys of ``model``'s state dict as its hooks write them, without wrapper
+    segments."""
+    return {clean_name(key) for key in unwrap_ddp(model).state_dict(keep_vars=True)}
+
+
 def renames_keys(model: nn.Module) -> bool:
     """Whether a state-dict hook of ``model`` writes a key that is not the name of one of its
     parameters or buffers (wrapper segments aside)."""
     inner = unwrap_ddp(model)
     names = {clean_name(name) for name, _ in inner.named_parameters(remove_duplicate=False)}
     names |= {clean_name(name) for name, _ in inner.named_buffers(remove_duplicate=False)}
-    return any(clean_name(key) not in names for key in inner.state_dict(keep_vars=True))
+    return not state_keys(model) <= names
 
 
 def model_state_dict(model: nn.Module) -> dict[str, Any]:
