@@ -15,6 +15,7 @@ from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.data_parallel import DDPBackend
 from dream_trainer.parallel.experts import distribute_experts
 from dream_trainer.parallel.float8 import convert_to_float8
+from dream_trainer.parallel.float8_experts import convert_experts_to_float8
 from dream_trainer.parallel.hf_pipeline import split_pipeline
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.world.dims import MeshAxis
@@ -161,8 +162,9 @@ class ParallelizeModels(AbstractTrainer):
             self.apply_fully_shard(config)
 
     def _convert_float8(self) -> None:
-        """Swap every model's eligible Linear layers for torchao's ``Float8Linear`` (on the
-        meta device, before any other parallelism, which then shards the float8 modules)."""
+        """Swap every model's eligible Linear layers for torchao's ``Float8Linear`` and, where
+        the hardware has the kernel, wrap its routed experts for float8 grouped products (on
+        the meta device, before any other parallelism, which then shards them)."""
         params, dims = self.config.device_parameters, self.world.dims
         # torchao all-gathers float8 weights with tensorwise scales only.
         all_gather = params.float8_recipe == "tensorwise" and dims.fsdp > 1
@@ -171,6 +173,10 @@ class ParallelizeModels(AbstractTrainer):
                                           self.world.device, all_gather)
             logger.info("%s: %d Linear layers train in float8 (%s)", name, len(converted),
                         params.float8_recipe)
+            experts = convert_experts_to_float8(model, self.world.device)
+            if experts:
+                logger.info("%s: %d routed expert modules train in float8 (rowwise)", name,
+                            len(experts))
 
     def _bind_model(self, name: str, module: nn.Module) -> nn.Module:
         """Make the model attribute ``name`` hold ``module``; return what it held. The layout

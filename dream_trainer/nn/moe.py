@@ -115,7 +115,11 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (_local(weight) for weight in (self.w1, self.w2, self.w3))
         if grad_scale != 1.0:
             w1, w2, w3 = (_ScaleGradient.apply(weight, grad_scale) for weight in (w1, w2, w3))
-        alignment = grouped_mm_alignment(tokens, w1) if self.use_grouped_mm else None
+        quantized = _quantized(self.w1)
+        alignment = grouped_mm_alignment(tokens, w1) if self.use_grouped_mm or quantized \
+            else None
+        if quantized:
+            return self._quantized_forward(tokens, counts, w1, w2, w3, alignment)
         if alignment is None:
             # An expert without rows still runs (on no rows), so that it gets a gradient.
             outputs = [(F.silu(chunk @ w1[expert]) * (chunk @ w3[expert])) @ w2[expert]
@@ -127,6 +131,35 @@ class GroupedExperts(nn.Module):
         hidden = (F.silu(F.grouped_mm(padded, w1, offs=offsets))
                   * F.grouped_mm(padded, w3, offs=offsets))
         return F.grouped_mm(hidden, w2, offs=offsets).index_select(0, rows)
+
+    def _quantized_forward(self, tokens: torch.Tensor, counts: list[int], w1: torch.Tensor,
+                           w2: torch.Tensor, w3: torch.Tensor,
+                           alignment: int | None) -> torch.Tensor:
+        """The grouped products with weights that torchao converted (``parallel.
+        float8_experts``): its wrapper quantizes ``torch._grouped_mm``'s operands, wants each
+        weight's last two dimensions stored transposed, and each group padded to its scaling
+        block (32 rows covers MXFP8's block and float8's 16-byte alignment)."""
+        if alignment is None:
+            raise TypeError(f"GroupedExperts with low-precision weights runs grouped products "
+                            f"only: tokens and weights must be bfloat16 or float16 with widths "
+                            f"in multiples of 8, got {tokens.dtype} tokens and "
+                            f"{tuple(w1.shape)} weights")
+        rows, offsets, padded_rows = _padded_groups(counts, _QUANTIZED_BLOCK, tokens.device)
+        padded = tokens.new_zeros(padded_rows, tokens.shape[-1]).index_copy(0, rows, tokens)
+        w1, w2, w3 = (weight.transpose(-2, -1).contiguous().transpose(-2, -1)
+                      for weight in (w1, w2, w3))
+        hidden = (F.silu(torch._grouped_mm(padded, w1, offs=offsets))
+                  * torch._grouped_mm(padded, w3, offs=offsets))
+        return torch._grouped_mm(hidden, w2, offs=offsets).index_select(0, rows)
+
+
+_QUANTIZED_BLOCK = 32
+
+
+def _quantized(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` (or its local shard) is torchao's low-precision training wrapper."""
+    local = _local(weight.data if isinstance(weight, nn.Parameter) else weight)
+    return type(local).__module__.startswith("torchao.prototype.moe_training")
 
 
 _GROUPED_DTYPES = (torch.bfloat16, torch.float16)
