@@ -18,8 +18,8 @@ head) trains with SGD on the same tokens and seed in every run.
 - ``--gpu``: a larger model in bfloat16 on one GPU: tokens/s and MFU (``6 x`` the active
   parameters per token, against the dense bf16 peak) with grouped experts, with the loop, and
   with each float8 recipe (torchao's float8 ``nn.Linear``: the mixing layers and the head; the
-  router is filtered, and the experts' stacked weights are not ``nn.Linear``, so they stay
-  bf16).
+  router is filtered; on capability 9.0 and above the routed experts also run torchao's
+  float8 grouped products, counted in ``float8_experts``).
 
     python -m benchmarks.expert_steps [--steps 40] [--trials 3] [--json out.json]
     python -m benchmarks.expert_steps --gpu [--steps 30] [--json out.json]
@@ -48,7 +48,7 @@ from dream_trainer import BaseTrainer, BaseTrainerConfig
 from dream_trainer.configs import DeviceParameters, TrainingParameters
 from dream_trainer.configs.device import Float8Recipe
 from dream_trainer.mixins import SetupConfigMixin, SetupMixin
-from dream_trainer.nn import MoE, active_parameters
+from dream_trainer.nn import GroupedExperts, MoE, active_parameters
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,10 @@ def measure_gpu(steps: int = 30, shape: Shape = GPU_SHAPE,
             "tokens_per_second": tokens_per_second, "active_parameters": active,
             "mfu": None if peak is None else 6 * active * tokens_per_second / peak,
             "float8_layers": sum(type(module).__name__ == "Float8Linear"
-                                 for module in trainer.model.modules())}
+                                 for module in trainer.model.modules()),
+            "float8_experts": sum(type(module.w1.data).__module__.startswith("torchao")
+                                  for module in trainer.model.modules()
+                                  if isinstance(module, GroupedExperts))}
         print(f"{variant}: {tokens_per_second:,.0f} tokens/s", file=sys.stderr, flush=True)
     return result
 
