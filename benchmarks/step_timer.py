@@ -21,8 +21,9 @@ class StepTimer:
         self._start = time.perf_counter()
 
     def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
-        super().post_train_batch(result, batch_idx)  # type: ignore[misc]
+        # Stopped before the base hook, as it was started after it: neither is the step's.
         self.times.append(time.perf_counter() - self._start)
+        super().post_train_batch(result, batch_idx)  # type: ignore[misc]
 
     def median_step(self) -> float:
         """The median step time after the warm-up steps."""

@@ -4,7 +4,7 @@ validation in ``validation``)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from dream_trainer.configs.training import TrainingParameters
@@ -52,6 +52,9 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
     def __init__(self, config: BaseTrainerConfig, *args: Any, **kwargs: Any) -> None:
         check_config_mixins(self, config)
         self.config = config
+        # The window's length, read on every micro-batch and step: from the config, once
+        # (replace_config reads it again).
+        self._accumulation = config.training_parameters.gradient_accumulation_steps
         self.world = DistributedWorld(config.device_parameters)
         self.data_parallel: DataParallelBackend = backend_for(self.world.dims)
         self.layout = Layout.resolve(self.world, self.data_parallel)
@@ -59,6 +62,8 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
         self._declare_step_stages()
         self.item_weighting = ItemWeighting(self.world.device)
         self.callbacks = CallbackCollection(config.callbacks)
+        # Per hook: the trainer's methods to run and the callbacks' (live) listener list.
+        self._hook_calls: dict[str, tuple[tuple[str, ...], list[Callable[..., None]]]] = {}
         self.training = False
         self.sanity_checking = False
         self.evaluating = False
@@ -166,8 +171,10 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
             raise RuntimeError("replace_config() from a hook cannot change the callbacks: "
                                "replace them before fit()/set_up()")
         self.config = config
+        self._accumulation = config.training_parameters.gradient_accumulation_steps
         if callbacks_changed:
             self.callbacks = CallbackCollection(config.callbacks)
+            self._hook_calls = {}
             self.callbacks.attach(self)
 
     def _launch(self) -> None:
@@ -248,8 +255,7 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
 
         ``step()`` may only be called when this is False.
         """
-        accumulation = self.training_parameters.gradient_accumulation_steps
-        return self.training and (self._batch_idx + 1) % accumulation != 0
+        return self.training and (self._batch_idx + 1) % self._accumulation != 0
 
     def _train_epoch(self) -> bool:
         """Train one epoch; return False when ``max_steps`` cut it short."""
@@ -339,7 +345,7 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
     def _train_batch(self, batch: Any, batch_idx: int, averager: ResultAverager) -> bool:
         """Train on one micro-batch; return whether it ended an optimizer step."""
         self._batch_idx = batch_idx
-        accumulation = self.training_parameters.gradient_accumulation_steps
+        accumulation = self._accumulation
         if batch_idx % accumulation == 0:
             self.item_weighting.start_window()
             self._step_results = []
@@ -350,13 +356,21 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
                 self.data_parallel.set_gradient_sync(model, sync)
         batch = move_to_device(batch, self.world.device)
         self._fire("pre_train_batch", batch, batch_idx)
-        with self.precision.autocast():
-            result = check_result(self.training_step(batch, batch_idx), "training_step")
+        precision = self.precision
+        if precision.autocast_dtype is None:  # no context to enter and leave per micro-batch
+            result = self.training_step(batch, batch_idx)
+        else:
+            with precision.autocast():
+                result = self.training_step(batch, batch_idx)
+        if not isinstance(result, dict):  # the usual result needs no call to check it
+            result = check_result(result, "training_step")
         self.local_batches += 1
         self._batches_done = batch_idx + 1
-        accumulating = self._window_open = self.is_accumulating_gradients
+        # is_accumulating_gradients, without the property's call.
+        accumulating = self._window_open = self.training and (batch_idx + 1) % accumulation != 0
         if not accumulating:
-            self.precision.update()
+            if precision.scaler is not None:  # float16: no call otherwise, as in step()
+                precision.update()
             self.global_step += 1
         values, weight = scalars(result), self._result_weight(result, batch)
         averager.add(values, weight)
@@ -455,9 +469,14 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
     def _fire(self, hook: str, *args: Any) -> None:
         """Run the mixins' work at ``hook``, the trainer's own hook, then every callback's, in
         insertion order."""
-        for name in phase_calls(type(self), hook):
+        calls = self._hook_calls.get(hook)
+        if calls is None:  # once per hook and callback collection: several hooks fire per step
+            calls = self._hook_calls[hook] = (phase_calls(type(self), hook),
+                                              self.callbacks.listeners(hook))
+        names, listeners = calls
+        for name in names:
             getattr(self, name)(*args)
-        for listener in self.callbacks.listeners(hook):
+        for listener in listeners:
             listener(*args)
 
     def _fire_phase(self, phase: str, *args: Any) -> None:

@@ -98,7 +98,8 @@ class CallbackCollection(TrainerHooks):
                 self._listeners[name].append(getattr(callback, name))
 
     def listeners(self, hook: str) -> list[Callable[..., None]]:
-        """The bound hook methods that run for ``hook``, in order.
+        """The bound hook methods that run for ``hook``, in order: the same list for the
+        collection's whole life, which ``attach()`` refills, so a caller may keep it.
 
         Raises:
             KeyError: if ``hook`` is not a declared hook name.

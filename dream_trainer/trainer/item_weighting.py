@@ -33,17 +33,16 @@ class ItemWeighting:
         self._unweighted_backwards = 0
         self.last_num_items: torch.Tensor | None = None
         """The ``num_items`` of the latest weighted backward of this micro-batch, if any."""
-
-    @property
-    def active(self) -> bool:
-        """True when the current window's losses are weighted by item counts."""
-        return self._local is not None
+        self.active = False
+        """True when the current window's losses are weighted by item counts (an attribute,
+        not a property: ``step()`` reads it every step)."""
 
     def start_window(self) -> None:
         """Forget the previous window's counts (called before its first micro-batch)."""
         self._local = self._global = None
         self._unweighted_backwards = 0
         self.last_num_items = None
+        self.active = False
 
     def start_micro_batch(self) -> None:
         self.last_num_items = None
@@ -59,6 +58,7 @@ class ItemWeighting:
             raise ValueError(self._mixed_message())
         count = _as_count(num_items, self.device)
         self._local = count if self._local is None else self._local + count
+        self.active = True
         self.last_num_items = count if self.last_num_items is None \
             else self.last_num_items + count
 

@@ -35,6 +35,11 @@ class StepAPI(AbstractTrainer):
     """Whether each step's update happens, and the skipped updates per cause."""
     _rerunning = False
     """True inside ``rerun_training_step``: ``backward()`` counts nothing, ``step()`` is inert."""
+    _accumulation: int
+    """``gradient_accumulation_steps``, read from the config once (``BaseTrainer``)."""
+    _schedulers_by_optimizer: dict[torch.optim.Optimizer, LRScheduler | None]
+    """The scheduler each optimizer steps with, found once: the lookup reads every
+    scheduler attribute, which each step would pay for."""
 
     @abstractmethod
     def _fire(self, hook: str, *args: Any) -> None:
@@ -65,8 +70,10 @@ class StepAPI(AbstractTrainer):
             raise RuntimeError("backward() may only be called inside training_step")
         self.layout.check_backward()
         divisor = self._count_items(num_items)
-        loss = loss / divisor if divisor > 1 else loss
-        self.precision.scale(loss).backward()
+        if divisor > 1:
+            loss = loss / divisor
+        scaler = self.precision.scaler
+        (loss if scaler is None else scaler.scale(loss)).backward()
 
     def forward_backward(self, model: nn.Module, *inputs: Any, target: Any, loss_fn: LossFn,
                          num_items: int | torch.Tensor | None = None) -> torch.Tensor:
@@ -130,10 +137,10 @@ class StepAPI(AbstractTrainer):
         window is averaged over micro-batches, and 1 for a sum, which ``step()`` normalizes
         by the window's item count."""
         if self._rerunning:  # the window's items were counted on the first run
-            return self.training_parameters.gradient_accumulation_steps if num_items is None else 1
+            return self._accumulation if num_items is None else 1
         if num_items is None:
             self.item_weighting.note_unweighted()
-            return self.training_parameters.gradient_accumulation_steps
+            return self._accumulation
         self.item_weighting.add(num_items)
         return 1
 
@@ -200,16 +207,27 @@ class StepAPI(AbstractTrainer):
             )
         if self._rerunning:
             return torch.zeros((), device=self.world.device)
+        precision, points, vote = self.precision, self.step_points, self.update_vote
         self._fire("pre_optimizer_step", model, optimizer)
-        self.precision.unscale_(optimizer)
-        self._normalize_items(model)
-        self.step_points.run("after_backward", model, optimizer)
-        grad_norm = self._clip(model)
-        if self.update_vote.decide(model, optimizer, self.global_step + 1):
+        # A stage the run does not use costs an attribute test here, not a call: in the loop
+        # each call costs several times what it does alone.
+        if precision.scaler is not None:
+            precision.unscale_(optimizer)
+        if self.item_weighting.active:
+            self._normalize_items(model)
+        if points.after_backward:
+            points.run("after_backward", model, optimizer)
+        grad_norm = self.layout.clip_grad_norm(
+            model, self.config.training_parameters.gradient_clip_val)
+        if not (vote.voters or vote.vetoes) or vote.decide(model, optimizer,
+                                                            self.global_step + 1):
             self.apply_update(optimizer)
-        self.step_points.run("after_update", model, optimizer)
+        if points.after_update:
+            points.run("after_update", model, optimizer)
         optimizer.zero_grad(set_to_none=True)
-        self._step_scheduler(optimizer, scheduler)
+        scheduler = self._scheduler_to_step(optimizer, scheduler)
+        if scheduler is not None:
+            scheduler.step()
         self._fire("post_optimizer_step", model, optimizer)
         return grad_norm
 
@@ -219,6 +237,7 @@ class StepAPI(AbstractTrainer):
         ``step_points.add``, ``update_vote.add`` / ``veto``)."""
         self.step_points = StepPoints()
         self.update_vote = UpdateVote()
+        self._schedulers_by_optimizer = {}
         self.layout.register_steps(self.step_points)
         if self.precision.scaler is not None:
             self.update_vote.add("float16_overflow",
@@ -226,30 +245,35 @@ class StepAPI(AbstractTrainer):
 
     def _declare_model_stages(self) -> None:
         """The actions the built models need: the balancing bias of mixture-of-experts
-        layers, moved after each update."""
+        layers, moved after each update. The schedulers the optimizers step with are looked
+        up again, each at its optimizer's first step."""
+        self._schedulers_by_optimizer = {}
         balancing = ExpertBalancing.of(self.named_models().values(), self.world)
         if balancing is not None and "expert_balance" not in self.step_points.after_update:
             self.step_points.add("after_update", "expert_balance", balancing)
 
-    def _normalize_items(self, model: nn.Module) -> None:
-        if self.item_weighting.active:
-            self.item_weighting.scale_gradients(model.parameters(), self.world.dp_group,
-                                                self.world.gradient_ranks)
+    def _scheduler_to_step(self, optimizer: torch.optim.Optimizer,
+                           scheduler: LRScheduler | None) -> LRScheduler | None:
+        """``scheduler``, or the one configured for ``optimizer`` (found at its first step).
 
-    def _clip(self, model: nn.Module) -> torch.Tensor:
-        return self.layout.clip_grad_norm(model, self.training_parameters.gradient_clip_val)
-
-    def _step_scheduler(self, optimizer: torch.optim.Optimizer,
-                        scheduler: LRScheduler | None) -> None:
+        Raises:
+            ValueError: for a scheduler that steps on a metric.
+        """
         if scheduler is None:
-            scheduler = self._scheduler_for(optimizer)
-        elif takes_metric(scheduler):
+            schedulers = self._schedulers_by_optimizer
+            if optimizer not in schedulers:
+                schedulers[optimizer] = self._scheduler_for(optimizer)
+            return schedulers[optimizer]
+        if takes_metric(scheduler):
             raise ValueError(
                 f"step() cannot step {type(scheduler).__name__}: it steps on a metric, after "
                 "each validation pass (set scheduler_monitor), not after each optimizer step"
             )
-        if scheduler is not None:
-            scheduler.step()
+        return scheduler
+
+    def _normalize_items(self, model: nn.Module) -> None:
+        self.item_weighting.scale_gradients(model.parameters(), self.world.dp_group,
+                                            self.world.gradient_ranks)
 
     def rerun_training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         """Run ``training_step`` again on micro-batch ``batch_idx`` of the current accumulation
@@ -300,7 +324,10 @@ class StepAPI(AbstractTrainer):
         ``step()`` calls this after clipping, when the vote passed (``update_vote``: whether an
         update happens is decided there, not here), and before zeroing the gradients.
         """
-        self.precision.step(optimizer)
+        if self.precision.scaler is None:  # no call through Precision: as in step()
+            optimizer.step()
+        else:
+            self.precision.step(optimizer)
 
     def _scheduler_for(self, optimizer: torch.optim.Optimizer) -> LRScheduler | None:
         for scheduler in self.named_schedulers().values():

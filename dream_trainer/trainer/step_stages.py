@@ -86,7 +86,8 @@ class UpdateVote:
     def __init__(self) -> None:
         self.voters: dict[str, Voter] = {}
         self.skipped: dict[str, int] = {}
-        self._vetoes: list[str] = []
+        self.vetoes: list[str] = []
+        """The causes that vetoed the step under way (``veto``), until its vote."""
 
     def add(self, cause: str, voter: Voter) -> None:
         """Ask ``voter(model, optimizer)`` at every step; False skips the update.
@@ -100,15 +101,15 @@ class UpdateVote:
 
     def veto(self, cause: str) -> None:
         """Skip the update of the step under way, for ``cause``."""
-        if cause not in self._vetoes:
-            self._vetoes.append(cause)
+        if cause not in self.vetoes:
+            self.vetoes.append(cause)
 
     def decide(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
         """Ask every voter (all of them: a vote may be a collective); True when the update of
         global step ``step`` (the one being taken) happens."""
-        if not self.voters and not self._vetoes:
-            return True  # nobody votes: the common case costs nothing
-        against, self._vetoes = self._vetoes, []
+        if not self.voters and not self.vetoes:
+            return True  # nobody votes (step() does not even call this then)
+        against, self.vetoes = self.vetoes, []
         for cause, voter in self.voters.items():
             if not voter(model, optimizer) and cause not in against:
                 against.append(cause)
