@@ -1,10 +1,10 @@
 """``BaseTrainer``: the training loop and its counters (the step API is in ``step_api``,
-validation in ``validation``)."""
+validation in ``validation``, hook dispatch in ``dispatch``)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from dream_trainer.configs.training import TrainingParameters
@@ -17,10 +17,11 @@ from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import StopTraining
 from dream_trainer.trainer.callback_collection import CallbackCollection
 from dream_trainer.trainer.config import BaseTrainerConfig
+from dream_trainer.trainer.dispatch import HookDispatch
 from dream_trainer.trainer.epoch_plan import plan_train_steps
 from dream_trainer.trainer.item_weighting import ItemWeighting
 from dream_trainer.trainer.loop_state import LoopState
-from dream_trainer.trainer.phases import call_through, check_config_mixins, phase_calls, runs_on
+from dream_trainer.trainer.phases import call_through, check_config_mixins, runs_on
 from dream_trainer.trainer.schedulers import planned_optimizer_steps
 from dream_trainer.trainer.step_api import StepAPI
 from dream_trainer.trainer.validation import ValidationLoop, check_result, stop_is_an_error
@@ -31,7 +32,7 @@ from dream_trainer.world.world import DistributedWorld
 logger = logging.getLogger(__name__)
 
 
-class BaseTrainer(StepAPI, ValidationLoop, LoopState):
+class BaseTrainer(HookDispatch, StepAPI, ValidationLoop, LoopState):
     """The training loop: epochs, micro-batches, accumulation, validation and callbacks.
 
     Subclasses provide models, optimizers and data (``SetupMixin``) and the two steps.
@@ -62,8 +63,7 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
         self._declare_step_stages()
         self.item_weighting = ItemWeighting(self.world.device)
         self.callbacks = CallbackCollection(config.callbacks)
-        # Per hook: the trainer's methods to run and the callbacks' (live) listener list.
-        self._hook_calls: dict[str, tuple[tuple[str, ...], list[Callable[..., None]]]] = {}
+        self._hook_calls = {}
         self.training = False
         self.sanity_checking = False
         self.evaluating = False
@@ -466,25 +466,6 @@ class BaseTrainer(StepAPI, ValidationLoop, LoopState):
         self.callbacks.teardown()
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _fire(self, hook: str, *args: Any) -> None:
-        """Run the mixins' work at ``hook``, the trainer's own hook, then every callback's, in
-        insertion order."""
-        calls = self._hook_calls.get(hook)
-        if calls is None:  # once per hook and callback collection: several hooks fire per step
-            calls = self._hook_calls[hook] = (phase_calls(type(self), hook),
-                                              self.callbacks.listeners(hook))
-        names, listeners = calls
-        for name in names:
-            getattr(self, name)(*args)
-        for listener in listeners:
-            listener(*args)
-
-    def _fire_phase(self, phase: str, *args: Any) -> None:
-        """Run the mixins' ``@runs_on(phase)`` work, then the trainer's public method (the
-        other way round for a closing phase such as ``post_fit``)."""
-        for name in phase_calls(type(self), phase):
-            getattr(self, name)(*args)
-
     def _set_train_mode(self, training: bool) -> None:
         """Switch the models to train or eval mode; a model without trainable parameters (a
         frozen teacher, a reference model) always stays in eval mode."""
