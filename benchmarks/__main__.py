@@ -37,8 +37,9 @@ def sections(quick: bool, lightning_python: str | None) -> dict[str, Callable[[]
         f"step_overhead/{model}/{ranks}": (
             lambda model=model, ranks=ranks: step_overhead.measure(
                 model, steps, trials, ranks, lightning_python))
-        # Quick mode checks the harness: the transformer runs the same code as the MLP.
-        for model in (("mlp",) if quick else ("mlp", "transformer")) for ranks in (1, 2)
+        # Quick mode checks the harness: the other models run the same code as the MLP.
+        for model in (("mlp",) if quick else ("mlp", "mlp512", "transformer"))
+        for ranks in (1, 2)
     }
     return {
         **overhead,

@@ -10,16 +10,17 @@ called from dream_trainer's environment: they start the runner as a subprocess a
 published figure is a ratio measured in one run.
 
 What Lightning trains is the hand loop's: the same model and initialization
-(``init_weights``), AdamW, an unshuffled DataLoader of ``steps * BATCH * devices`` samples,
-cross entropy, and the same ``get_total_norm`` of the gradients (in
-``on_before_optimizer_step``, where Lightning exposes them before the optimizer steps). A step is timed from ``on_train_batch_start`` to
-``on_train_batch_end``: forward, backward, norm, optimizer step, zeroing, and Lightning's own
-bookkeeping between those hooks. On one process the final weights equal the hand loop's bit
-for bit: Lightning's 32-bit precision calls ``loss.backward()`` and ``optimizer.step()``
-unchanged, and zeroing the gradients before backward instead of after the step changes
-nothing. With ``devices=2`` (``strategy="ddp"``, gloo on CPU; Lightning starts rank 1
-itself) each rank trains on half the samples and DDP averages the gradients, so the weights
-legitimately differ from a one-process loop and only rank 0 reports.
+(``init_weights``), AdamW, an unshuffled DataLoader of ``steps * batch_size(kind) *
+devices`` samples, cross entropy, and the same ``get_total_norm`` of the gradients (in
+``on_before_optimizer_step``, where Lightning exposes them before the optimizer steps). A
+step is timed from ``on_train_batch_start`` to ``on_train_batch_end``: forward, backward,
+norm, optimizer step, zeroing, and Lightning's own bookkeeping between those hooks. On one
+process the final weights equal the hand loop's bit for bit: Lightning's 32-bit precision
+calls ``loss.backward()`` and ``optimizer.step()`` unchanged, and zeroing the gradients
+before backward instead of after the step changes nothing. With ``devices=2``
+(``strategy="ddp"``, gloo on CPU; Lightning starts rank 1 itself) each rank trains on half
+the samples and DDP averages the gradients, so the weights legitimately differ from a
+one-process loop and only rank 0 reports.
 
     /tmp/lightning-venv/bin/python -m benchmarks.lightning_steps --devices 2 --out x.json
     python -m benchmarks.lightning_steps --python /tmp/lightning-venv/bin/python [--trials 5]
@@ -46,8 +47,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from benchmarks.processes import REPO_ROOT, child_env
-from benchmarks.workloads import (BATCH, LR, MODELS, SEED, build_model, dataset, hand_written,
-                                  init_weights)
+from benchmarks.workloads import (LR, MODELS, SEED, batch_size, build_model, dataset,
+                                  hand_written, init_weights)
 
 WARMUP = 20
 
@@ -104,7 +105,8 @@ def train(kind: str, steps: int, devices: int = 1,
             return torch.optim.AdamW(self.model.parameters(), lr=LR)
 
         def train_dataloader(self) -> DataLoader[Any]:
-            return DataLoader(dataset(kind, steps * BATCH * devices), batch_size=BATCH)
+            batch = batch_size(kind)
+            return DataLoader(dataset(kind, steps * batch * devices), batch_size=batch)
 
     class StepTimer(Callback):
         def __init__(self) -> None:

@@ -12,7 +12,7 @@ with weights identical to (a).
 With ``--ranks 2`` the variants run under torchrun on 2 CPU ranks: (a) wraps the model in
 DDP itself and reads every second sample, as the trainers' samplers do.
 
-    python -m benchmarks.step_overhead [--model mlp|transformer] [--steps 300] [--trials 5]
+    python -m benchmarks.step_overhead [--model mlp|mlp512|transformer] [--steps 300] [--trials 5]
                                        [--ranks 1|2] [--lightning-python PATH]
 """
 
@@ -36,8 +36,8 @@ from torch.utils.data import DataLoader
 from benchmarks import lightning_steps
 from benchmarks.processes import REPO_ROOT, child_env
 from benchmarks.step_timer import StepTimer
-from benchmarks.workloads import (BATCH, LR, SEED, build_model, dataset, hand_written,
-                                  init_weights)
+from benchmarks.workloads import (LR, MODELS, SEED, batch_size, build_model, dataset,
+                                  hand_written, init_weights)
 from dream_trainer import BaseTrainer, BaseTrainerConfig, DreamTrainer, DreamTrainerConfig
 from dream_trainer.configs import CheckpointParameters, LoggingParameters, TrainingParameters
 from dream_trainer.mixins import SetupConfigMixin, SetupMixin
@@ -64,8 +64,9 @@ class Timed(StepTimer):
 
     def configure_dataloaders(self) -> tuple[DataLoader[Any], None]:
         config = self.config  # type: ignore[attr-defined]
-        data = dataset(config.kind, config.steps * BATCH * self.world.dp_size)  # type: ignore[attr-defined]
-        return DataLoader(data, batch_size=BATCH), None
+        batch = batch_size(config.kind)
+        data = dataset(config.kind, config.steps * batch * self.world.dp_size)  # type: ignore[attr-defined]
+        return DataLoader(data, batch_size=batch), None
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         x, y = batch
@@ -103,7 +104,8 @@ def trial_medians(kind: str, steps: int, workdir: Path) -> tuple[dict[str, float
     """One trial of (a), (b), (c) in this process (every rank runs it under torchrun)."""
     common = {"project": "bench", "group": "overhead", "experiment": kind, "seed": SEED,
               "kind": kind, "steps": steps,
-              "training_parameters": TrainingParameters(n_epochs=1, train_batch_size=BATCH)}
+              "training_parameters": TrainingParameters(n_epochs=1,
+                                                        train_batch_size=batch_size(kind))}
     hand_times, hand_model = hand_written(kind, steps)
     base_times, base_model = run_trainer(BaseBench, BenchConfig(**common))
     dream_times, _ = run_trainer(DreamBench, DreamConfig(
@@ -204,7 +206,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="trainer step overhead benchmark")
-    parser.add_argument("--model", choices=["mlp", "transformer"], default="mlp")
+    parser.add_argument("--model", choices=MODELS, default="mlp")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--ranks", type=int, default=1)

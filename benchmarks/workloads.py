@@ -17,14 +17,25 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 SEED, BATCH, LR = 0, 32, 1e-3
-MODELS = ("mlp", "transformer")
+MODELS = ("mlp", "mlp512", "transformer")
+_BATCH_SIZES = {"mlp512": 64}
+
+
+def batch_size(kind: str) -> int:
+    """The micro-batch ``kind`` trains on: 64 samples for ``mlp512``, ``BATCH`` otherwise."""
+    return _BATCH_SIZES.get(kind, BATCH)
 
 
 def build_model(kind: str) -> nn.Module:
-    """``mlp``: 3 linear layers; ``transformer``: 2 encoder layers over 16 tokens of width 64."""
+    """``mlp``: 3 linear layers (64 -> 256 -> 256 -> 10); ``mlp512``: 3 linear layers of width
+    512 (the MLP, with batch 64, that the 1.02 step-overhead target was set on);
+    ``transformer``: 2 encoder layers over 16 tokens of width 64."""
     if kind == "mlp":
         return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                              nn.Linear(256, 10))
+    if kind == "mlp512":
+        return nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                             nn.Linear(512, 10))
     if kind == "transformer":
         layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.0,
                                            batch_first=True)
@@ -36,7 +47,7 @@ def build_model(kind: str) -> nn.Module:
 def dataset(kind: str, samples: int) -> TensorDataset:
     """``samples`` random inputs with random class labels, the same on every call."""
     generator = torch.Generator().manual_seed(1)
-    shape = (64,) if kind == "mlp" else (16, 64)
+    shape = {"mlp": (64,), "mlp512": (512,)}.get(kind, (16, 64))
     return TensorDataset(torch.randn(samples, *shape, generator=generator),
                          torch.randint(0, 10, (samples,), generator=generator))
 
@@ -67,13 +78,14 @@ def hand_written(kind: str, steps: int) -> tuple[list[float], nn.Module]:
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     model = build_model(kind)
     init_weights(model)
-    data = dataset(kind, steps * BATCH * ranks)
+    batch = batch_size(kind)
+    data = dataset(kind, steps * batch * ranks)
     sampler = DistributedSampler(data, shuffle=False) if ranks > 1 else None
     trained = DistributedDataParallel(model) if ranks > 1 else model
     optimizer = torch.optim.AdamW(trained.parameters(), lr=LR)
     times = []
     trained.train()
-    for x, y in DataLoader(data, batch_size=BATCH, sampler=sampler):
+    for x, y in DataLoader(data, batch_size=batch, sampler=sampler):
         start = time.perf_counter()
         loss = F.cross_entropy(trained(x), y)
         loss.backward()
