@@ -120,21 +120,20 @@ class ProgressBar(RankZeroCallback[BaseTrainer]):
 
     @override
     def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
-        if "loss" in result:
+        reduced = self.trainer.reduced_step_result
+        if reduced is None and "loss" in result:
+            # Until a logger reduces a step, rank 0's own losses make the average; after, the
+            # bar shows the logged values, and touches no loss in between (no tensor op).
             loss = torch.as_tensor(result["loss"]).detach().float()
             self._window_loss = loss if self._window_loss is None else self._window_loss + loss
             self._window_batches += 1
         if self.trainer.is_accumulating_gradients:
             return
-        reduced = self.trainer.reduced_step_result
         if reduced is not None:
             # A logger reduces the steps it logs: the bar follows those values, the whole
             # step's over micro-batches and ranks, and not rank 0's alone in between.
             if reduced[0] == self.trainer.global_step and "loss" in reduced[1]:
-                # The reduced value is a float: it joins the average on the loss's device, so
-                # that the average stays there (lerp refuses a CPU operand beside a GPU one).
-                device = None if self._window_loss is None else self._window_loss.device
-                self._smooth(torch.tensor(reduced[1]["loss"], device=device))
+                self._smooth(torch.tensor(reduced[1]["loss"]))
         elif self._window_loss is not None:
             self._smooth(self._window_loss / self._window_batches)
         self._window_loss, self._window_batches = None, 0
@@ -143,6 +142,8 @@ class ProgressBar(RankZeroCallback[BaseTrainer]):
             self._refresh(step)
 
     def _smooth(self, step_loss: torch.Tensor) -> None:
+        # lerp refuses a CPU operand beside a GPU one: a logged value (a float, on the CPU)
+        # joins an average the device's losses started there.
         if self._loss_ema is None:
             self._loss_ema = step_loss
         else:

@@ -17,10 +17,11 @@ import torch.nn.functional as F
 
 from dream_trainer.callbacks import Callback
 from dream_trainer.callbacks.progress_bar import ProgressBar
-from dream_trainer.configs import DeviceParameters
+from dream_trainer.configs import DeviceParameters, LoggingParameters
+from dream_trainer.mixins import JSONLoggerMixin
 from dream_trainer.utils.memory import process_rss_bytes
 from tests.helpers.launch import REPO, check, child_env, torchrun
-from tests.helpers.toy import ToyTrainer, toy_config
+from tests.helpers.toy import LoggedToyConfig, ToyTrainer, toy_config
 
 
 class FakeClock(Callback):
@@ -244,3 +245,60 @@ def test_only_rank_zero_prints_and_samples_count_every_rank(tmp_path: Path) -> N
                                                                    "epoch 1/1 step 4/4"]
     assert re.search(rf" 32\.0 samples/s eta 0:00:01{RSS}$", lines[0])
     assert len(lines) == 3 and lines[2].startswith("validation epoch 1: val_loss=")
+
+
+class CountedLoss(torch.Tensor):
+    """A loss that counts the torch operations run on it."""
+
+    operations = 0
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        cls.operations += 1
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+class CountLossOperations(Callback):
+    """Listed on both sides of the bar: before it, it hands the bar a counted loss; after it,
+    it records how many operations the bar ran on that loss."""
+
+    def __init__(self, counts: list[int] | None = None) -> None:
+        self.counts = counts
+
+    def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
+        if self.counts is None:
+            result["loss"] = result["loss"].detach().as_subclass(CountedLoss)
+            CountedLoss.operations = 0
+        else:
+            self.counts.append(CountedLoss.operations)
+
+
+class LoggedToy(ToyTrainer, JSONLoggerMixin):
+    pass
+
+
+def test_with_a_logger_the_bar_runs_no_tensor_op_between_logged_steps(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Every second step is logged (reduced over the step): from the first on, the bar shows
+    # those values and leaves the other steps' losses alone.
+    counts: list[int] = []
+    clock = FakeClock(seconds_per_batch=0.25)
+    bar = ProgressBar(refresh_every_n_steps=1, smoothing=1.0, stream=io.StringIO())
+    monkeypatch.setattr(time, "perf_counter", clock)
+    config = LoggedToyConfig(
+        **dict(toy_config(n_samples=48, device_parameters=DeviceParameters(device="cpu"),
+                          callbacks=[clock, CountLossOperations(), bar,
+                                     CountLossOperations(counts)])),
+        logging_parameters=LoggingParameters(log_dir=tmp_path, log_every_n_steps=2))
+    LoggedToy(config).fit()
+    assert len(counts) == 6
+    assert counts[0] > 0 and counts[1:] == [0] * 5
+    # The lines show each logged step's loss (smoothing=1), and step 1's own.
+    shown = [float(m.group(1)) for line in bar.stream.getvalue().splitlines()  # type: ignore[attr-defined]
+             if (m := re.search(r" loss (\d+\.\d{4}) ", line))]
+    assert len(shown) == 6
+    assert shown[0] == pytest.approx(clock.losses[0], abs=1e-4)
+    assert shown[1::2] == pytest.approx(clock.losses[1::2], abs=1e-4)
+    assert shown[2::2] == shown[1:5:2]  # steps 3 and 5 keep the last logged value
