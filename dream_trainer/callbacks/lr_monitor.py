@@ -20,14 +20,17 @@ class LRMonitor(RankZeroCallback):
     Rank 0 only: the learning rates are the same on every rank.
 
     Args:
-        every_n_steps: Record when the global step is a multiple of this.
+        every_n_steps: Record when the global step is a multiple of this. By default, on the
+            steps the trainer's logger logs (``log_every_n_steps``, read at each step), and
+            every step without a logger: a record is a line written to the log, which every
+            step would cost several percent of a small model's step.
 
     Raises:
         ValueError: if ``every_n_steps < 1``.
     """
 
-    def __init__(self, every_n_steps: int = 1) -> None:
-        if every_n_steps < 1:
+    def __init__(self, every_n_steps: int | None = None) -> None:
+        if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"LRMonitor every_n_steps must be at least 1, got {every_n_steps}")
         self.every_n_steps = every_n_steps
         self.latest: dict[str, float] = {}
@@ -42,8 +45,10 @@ class LRMonitor(RankZeroCallback):
     def post_train_batch(self, result: dict[str, Any], batch_idx: int) -> None:
         # Here rather than in post_optimizer_step: that fires once per optimizer, before the
         # loop counts the step, while this fires once per window with global_step up to date.
-        trainer = self.trainer
-        if trainer.is_accumulating_gradients or trainer.global_step % self.every_n_steps:
+        trainer, every = self.trainer, self.every_n_steps
+        if every is None:
+            every = 1 if self._logger is None else self._logger.logging_parameters.log_every_n_steps
+        if trainer.is_accumulating_gradients or trainer.global_step % every:
             return
         self.latest = self.learning_rates()
         self.history.append((trainer.global_step, self.latest))

@@ -7,8 +7,10 @@ import torch
 from torch.optim.lr_scheduler import StepLR
 
 from dream_trainer.callbacks.lr_monitor import LRMonitor
+from dream_trainer.configs import LoggingParameters
 from dream_trainer.mixins import LoggerMixin
-from tests.helpers.toy import RecordingLogger, ToyTrainer, logged_toy_config, toy_config
+from tests.helpers.toy import (LoggedToyConfig, RecordingLogger, ToyTrainer, logged_toy_config,
+                               toy_config)
 
 
 class StepLRTrainer(ToyTrainer):
@@ -92,3 +94,21 @@ def test_without_log_dict_values_are_only_kept() -> None:
 def test_every_n_steps_must_be_positive() -> None:
     with pytest.raises(ValueError, match="every_n_steps must be at least 1, got 0"):
         LRMonitor(every_n_steps=0)
+
+
+def test_by_default_it_records_on_the_loggers_steps_and_every_step_without_one() -> None:
+    # A record is a line in the log: by default on the steps the logger logs (every 3rd here),
+    # not on every step.
+    config = LoggedToyConfig(**dict(toy_config(callbacks=[LRMonitor()], n_samples=80)),
+                             logging_parameters=LoggingParameters(enabled=False,
+                                                                  log_every_n_steps=3))
+    trainer = LoggingTrainer(config)
+    trainer.fit()
+    monitor = trainer.callbacks[0]
+    assert trainer.global_step == 10
+    assert [step for step, _ in monitor.history] == [3, 6, 9]
+    assert [step for _, step in trainer.logged] == [3, 6, 9]
+    # Without a logger there is no log to spare: every step.
+    plain = LRMonitor()
+    ToyTrainer(toy_config(callbacks=[plain], n_samples=40)).fit()
+    assert [step for step, _ in plain.history] == [1, 2, 3, 4, 5]
