@@ -25,7 +25,8 @@ from dream_trainer.trainer.phases import call_through, check_config_mixins, runs
 from dream_trainer.trainer.schedulers import planned_optimizer_steps
 from dream_trainer.trainer.step_api import StepAPI
 from dream_trainer.trainer.validation import ValidationLoop, check_result, stop_is_an_error
-from dream_trainer.utils.averaging import Number, ResultAverager, Scalars, scalars
+from dream_trainer.utils.averaging import (AgreedKeys, Number, ResultAverager, Scalars,
+                                           scalars)
 from dream_trainer.world.materialization import Materialization
 from dream_trainer.world.world import DistributedWorld
 
@@ -86,6 +87,7 @@ class BaseTrainer(HookDispatch, StepAPI, ValidationLoop, LoopState):
         self._configured = False
         # The current optimizer step's averaged entries, read only by reduce_step_result().
         self._step_results: list[tuple[Scalars, Number]] = []
+        self._step_result_keys = AgreedKeys()  # the ranks check them, not gather them, per step
         self.reduced_step_result: tuple[int, dict[str, float]] | None = None
         """``(global_step, values)`` of the latest ``reduce_step_result()``, for readers on one
         rank (the progress bar); None before the first."""
@@ -415,13 +417,14 @@ class BaseTrainer(HookDispatch, StepAPI, ValidationLoop, LoopState):
         batch size); ``num_items`` itself is summed. What one process computes on the whole
         global batch.
 
-        A collective (two all-reduces and a host sync): call it on every rank at the same
-        step, after the step's last micro-batch. Repeated calls in one step reuse the first's
-        values, which are kept in ``reduced_step_result``. Loggers call it on the steps they
-        log, so other steps cost nothing but a list append per micro-batch.
+        A collective (one all-reduce and a host sync, after a gather of the ranks' result keys
+        at the first call and when they change): call it on every rank at the same step,
+        after the step's last micro-batch. Repeated calls in one step reuse the first's values,
+        which are kept in ``reduced_step_result``. Loggers call it on the steps they log, so
+        other steps cost nothing but a list append per micro-batch.
         """
         if self.reduced_step_result is None or self.reduced_step_result[0] != self.global_step:
-            averager = ResultAverager(self.world.device)
+            averager = ResultAverager(self.world.device, self._step_result_keys)
             for values, weight in self._step_results:
                 averager.add(values, weight)
             self.reduced_step_result = (self.global_step, averager.compute())

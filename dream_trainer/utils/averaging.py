@@ -39,6 +39,16 @@ def scalars(result: Mapping[str, Any]) -> Scalars:
     return values
 
 
+class AgreedKeys:
+    """The keys the ranks' averages last agreed on, kept across ``ResultAverager``s (one per
+    use, such as each logged step's result), so that the next ``compute`` confirms them
+    inside its all-reduce instead of gathering every rank's keys first: on 2 gloo ranks the
+    gather took 1.0 ms of a 1.5 ms ``compute``."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] | None = None
+
+
 class ResultAverager:
     """Weighted means of every scalar in a sequence of step-result dicts, over steps and ranks.
 
@@ -46,12 +56,15 @@ class ResultAverager:
     that an epoch's mean is the mean over samples, as one process computing it over the whole
     set would have it: a smaller last batch counts for what it holds. ``update`` only stores
     references (see ``scalars``); ``compute`` does the arithmetic once and combines every rank
-    with two collectives. Keys may differ between steps and ranks: each key is averaged over
-    the steps that produced it. The value of ``WEIGHT_KEY`` is summed, not averaged.
+    with collectives: one all-reduce when ``agreed`` holds the keys every rank has, else a
+    gather of the keys and an all-reduce. Keys may differ between steps and ranks: each key
+    is averaged over the steps that produced it. The value of ``WEIGHT_KEY`` is summed, not
+    averaged.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, agreed: AgreedKeys | None = None) -> None:
         self.device = device
+        self.agreed = agreed
         self._pending: list[tuple[Scalars, Number]] = []
         self._sums: dict[str, torch.Tensor] = {}
         self._weights: dict[str, torch.Tensor] = {}
@@ -116,22 +129,51 @@ class ResultAverager:
         """Return ``{key: weighted mean}`` over all updates of every rank (``WEIGHT_KEY``:
         the total), a collective when launched."""
         self._fold()
-        keys = sorted(self._sums)
+        keys = own = sorted(self._sums)
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        if distributed:
+        totals = None
+        if distributed and self.agreed is not None and self.agreed.keys:
+            keys = self.agreed.keys
+            totals = self._confirmed_totals(keys)
+        if distributed and totals is None:
             gathered: list[list[str] | None] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, keys)
+            dist.all_gather_object(gathered, own)
             keys = sorted({key for rank_keys in gathered for key in rank_keys or ()})
+            if self.agreed is not None:
+                self.agreed.keys = keys
         if not keys:
             return {}
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        totals = torch.stack([self._sums.get(key, zero) for key in keys]
-                             + [self._weights.get(key, zero) for key in keys])
-        if distributed:
-            dist.all_reduce(totals)
-        sums, weights = totals[: len(keys)].tolist(), totals[len(keys):].tolist()
+        if totals is None:
+            stacked = self._stacked(keys)
+            if distributed:
+                dist.all_reduce(stacked)
+            totals = stacked.tolist()
+        sums, weights = totals[: len(keys)], totals[len(keys): 2 * len(keys)]
         means = {key: (s if key == WEIGHT_KEY else s / w if w else math.nan)
                  for key, s, w in zip(keys, sums, weights)}
         # The ranks agreed on sorted keys; hand them back in the order this rank first saw them
         # (the user's order in the result dict), so loggers' columns follow it.
         return {key: means[key] for key in [*self._seen, *(k for k in keys if k not in self._seen)]}
+
+    def _stacked(self, keys: list[str], checks: list[float] | None = None) -> torch.Tensor:
+        """The sums, then the weights, of ``keys`` (zero where this rank has none), then
+        ``checks``: one float64 vector for one all-reduce."""
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        stacked = torch.stack([self._sums.get(key, zero) for key in keys]
+                              + [self._weights.get(key, zero) for key in keys])
+        if checks is None:
+            return stacked
+        return torch.cat([stacked, torch.tensor(checks, dtype=torch.float64,
+                                                device=self.device)])
+
+    def _confirmed_totals(self, keys: list[str]) -> list[float] | None:
+        """All-reduce the totals of the agreed ``keys`` with, per key, whether this rank has
+        it, and whether it has a key outside them; return them if the ranks' keys together
+        are exactly ``keys`` (every rank reads the same sums, so all decide alike), else None."""
+        agreed = set(keys)
+        totals = self._stacked(keys, [float(key in self._sums) for key in keys]
+                               + [float(any(key not in agreed for key in self._sums))])
+        dist.all_reduce(totals)
+        values = totals.tolist()
+        counts, outside = values[2 * len(keys): -1], values[-1]
+        return values if outside == 0 and all(count > 0 for count in counts) else None

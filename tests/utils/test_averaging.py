@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 from dream_trainer.utils import averaging
 from dream_trainer.utils.averaging import ResultAverager
+from tests.helpers.launch import REPO, check, torchrun
 
 
 def test_means_per_key_ignoring_non_scalars() -> None:
@@ -72,3 +75,22 @@ def test_scalars_detach_only_what_holds_a_graph() -> None:
     assert [key for key, _ in values] == ["loss", "norm", "step"]
     assert not values[0][1].requires_grad  # type: ignore[union-attr]
     assert values[1][1] is plain and values[2][1] == 4
+
+
+def test_ranks_confirm_agreed_keys_in_the_all_reduce_and_gather_only_when_they_change(
+        tmp_path: Path) -> None:
+    check(torchrun(REPO / "tests/scripts/averaging_run.py", [str(tmp_path)], timeout=120))
+    runs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    # Weights 2 (rank 0) and 3 (rank 1): loss (2*1 + 3*2) / 5, norm (2*10 + 3*20) / 5.
+    both = {"loss": 1.6, "norm": 16.0}
+    expected = [both, both, {**both, "extra": 7.0}, both, {"loss": 1.6, "norm": 20.0}]
+    # A gather at the first step and whenever the ranks' keys together change (a key
+    # appears, then goes); none while they stay what the ranks last agreed on.
+    gathers = [1, 0, 1, 1, 0]
+    agreed = [["loss", "norm"], ["loss", "norm"], ["extra", "loss", "norm"], ["loss", "norm"],
+              ["loss", "norm"]]
+    for rank, steps in enumerate(runs):
+        for index, step in enumerate(steps):
+            assert step["checked"] == step["gathered"], (rank, index)  # exactly, float for float
+            assert step["checked"] == pytest.approx(expected[index], rel=1e-12), (rank, index)
+            assert (step["gathers"], step["agreed"]) == (gathers[index], agreed[index])
