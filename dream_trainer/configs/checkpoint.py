@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveInt, field_validator, model_validator
+from pydantic import Field, NonNegativeFloat, PositiveInt, field_validator, model_validator
 
 from dream_trainer.configs.base import ConfigModel
 
@@ -60,6 +60,12 @@ class CheckpointParameters(ConfigModel):
     run): optimizers, schedulers, counters and data position start fresh."""
     async_save: bool = False
     """Write periodic checkpoints in the background (the final one is always synchronous)."""
+    preemption_poll_seconds: NonNegativeFloat = 1.0
+    """With several ranks, about how much training time passes between the ranks' votes on a
+    preemption signal (each an all-reduce on a CPU group of their own): a signal is acted on
+    within about twice this, at a step boundary all ranks share. ``0``: every step, acting
+    on a signal one step after it (a quarter of the step time of 2 CPU ranks of a small
+    model). At most 100 steps pass between votes."""
     trusted_globals: list[str] = Field(default_factory=list)
     """Types (``"package.module.ClassName"``) that checkpoints this run reads may unpickle
     besides the allowlist (tensors, builtin containers and scalars, DCP's metadata): your own

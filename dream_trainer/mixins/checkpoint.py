@@ -103,7 +103,8 @@ class CheckpointMixin(AbstractTrainer):
         if self.world.world_size > 1:
             # Ranks agree on preemption through a group of its own (see PreemptionAgreement).
             self._preemption_agreement = PreemptionAgreement(
-                self._preemption, self.world.new_group("gloo"))
+                self._preemption, self.world.new_group("gloo"),
+                seconds=self.checkpoint_parameters.preemption_poll_seconds)
         if self.checkpoint_parameters.enabled:
             self._lock = take_lock(self.checkpoint_dir, self.world.rank,
                                    self.world.world_size, self._checkpoint_group)

@@ -64,13 +64,14 @@ def test_sigterm_on_one_rank_saves_exits_zero_and_resumes_exactly(
     (tmp_path / "markers").mkdir()
     args = [str(tmp_path / "run"), str(tmp_path / "final.pt"), "--markers",
             str(tmp_path / "markers"), "--kill", "step:6", "--kill-rank", "1",
-            "--signal", "SIGTERM"]
+            "--signal", "SIGTERM", "--preemption-poll-seconds", "0"]
     procs = spawn_ranks(SCRIPT, args)
     outputs = [proc.communicate(timeout=180)[0] for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outputs
-    # Rank 1 got the signal in step 6's post_train_batch. The ranks' vote started at the end
-    # of step 6 is read at the end of step 7 (it runs in the background meanwhile): there
-    # every rank agrees, saves and stops.
+    # Rank 1 got the signal in step 6's post_train_batch. Voting every step
+    # (preemption_poll_seconds=0), the ranks' vote started at the end of step 6 is read at the
+    # end of step 7 (it runs in the background meanwhile): there every rank agrees, saves and
+    # stops. (Their vote cadence by time is tests/utils/test_preemption.py's.)
     for rank, output in enumerate(outputs):
         assert f"rank={rank} preempted=True step=7" in output
     assert (tmp_path / "run/ckpt/tests/run/checkpoints/step_7/.metadata").is_file()

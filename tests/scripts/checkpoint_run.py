@@ -2,7 +2,7 @@
 
 Usage: checkpoint_run.py ROOT OUT [--kill POINT ...] [--markers DIR] [--samples FILE]
        [--parallel ddp|fsdp] [--kill-rank R] [--signal SIGKILL|SIGTERM] [--no-rank-state]
-       [--accumulation N]
+       [--accumulation N] [--preemption-poll-seconds S]
 """
 
 from __future__ import annotations
@@ -29,12 +29,18 @@ def main() -> None:
     parser.add_argument("--samples", type=Path)
     parser.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp")
     parser.add_argument("--no-rank-state", action="store_true")
+    parser.add_argument("--preemption-poll-seconds", type=float,
+                        help="checkpoint_parameters.preemption_poll_seconds (default: its own)")
     parser.add_argument("--accumulation", type=int, help="micro-batches per optimizer step "
                         "(default 2): to keep the global batch on another number of ranks")
     args = parser.parse_args()
     params = DeviceParameters.FSDP() if args.parallel == "fsdp" else DeviceParameters()
     config = checkpointed_config(args.root, params).model_copy(
         update={"rank_state": not args.no_rank_state})
+    if args.preemption_poll_seconds is not None:
+        config = config.model_copy(update={"checkpoint_parameters": config.checkpoint_parameters
+                                           .model_copy(update={"preemption_poll_seconds":
+                                                               args.preemption_poll_seconds})})
     if args.accumulation is not None:
         config = config.model_copy(update={"training_parameters": config.training_parameters
                                            .model_copy(update={"gradient_accumulation_steps":
