@@ -14,14 +14,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from dream_trainer import BaseTrainer, BaseTrainerConfig
 from dream_trainer.configs import DeviceParameters, TrainingParameters
 from dream_trainer.mixins import SetupConfigMixin, SetupMixin
+from dream_trainer.nn import replace_hf_moe_blocks
 
 VOCAB, SEQ = 64, 16
-Architecture = Literal["llama", "llama_tied", "gpt2", "qwen3"]
+Architecture = Literal["llama", "llama_tied", "gpt2", "qwen3", "qwen3_moe"]
 
 
 def llama_config(layers: int = 2, tied: bool = False) -> LlamaConfig:
@@ -39,6 +40,15 @@ def qwen3_config(layers: int = 4) -> Qwen3Config:
                        head_dim=8, max_position_embeddings=2 * SEQ, tie_word_embeddings=False)
 
 
+def qwen3_moe_config(layers: int = 4) -> Qwen3MoeConfig:
+    """Qwen3's layout with a mixture of 4 experts in every layer (top 2, weights normalized)."""
+    return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                          moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                          norm_topk_prob=True, num_hidden_layers=layers, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, max_position_embeddings=2 * SEQ,
+                          tie_word_embeddings=False)
+
+
 def gpt2_config() -> GPT2Config:
     """GPT-2's layout: learned positions, LayerNorm, and the head tied to the embedding."""
     return GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ,
@@ -50,6 +60,8 @@ def build(architecture: Architecture, layers: int = 2) -> nn.Module:
         return LlamaForCausalLM(llama_config(layers, tied=architecture == "llama_tied"))
     if architecture == "qwen3":
         return Qwen3ForCausalLM(qwen3_config(layers))
+    if architecture == "qwen3_moe":
+        return Qwen3MoeForCausalLM(qwen3_moe_config(layers))
     return GPT2LMHeadModel(gpt2_config())
 
 
@@ -94,12 +106,14 @@ def hf_config(architecture: Architecture = "llama", batch: int = 4,
 
 
 class HFTrainer(BaseTrainer, SetupMixin):
-    """Fine-tunes a tiny causal LM with SGD on random tokens."""
+    """Fine-tunes a tiny causal LM with SGD on random tokens (a mixture-of-experts model with
+    dream_trainer's ``MoE`` layers in place of its transformers blocks)."""
 
     config: HFConfig
 
     def configure_models(self) -> None:
         self.model = build(self.config.architecture, self.config.layers)
+        replace_hf_moe_blocks(self.model)  # nothing to replace in a dense model
 
     def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,

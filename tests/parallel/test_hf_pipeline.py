@@ -2,7 +2,8 @@
 tiny Qwen3 and a tiny Llama whose head is tied to its embedding (4 layers each, random
 "pretrained" weights saved by ``save_pretrained``) load through ``init_weights_from`` under
 pp=2 (1F1B, and Interleaved1F1B with 4 stages) on 2 ranks and under pp=2 x dp_shard=2 on 4
-(Qwen3 and the tied Llama), train 3 accumulation-2 steps through ``forward_backward``, and
+(Qwen3 and the tied Llama), as does a tiny Qwen3-MoE whose MoE blocks are dream_trainer's
+``MoE`` layers (pp=2, 1F1B), train 3 accumulation-2 steps through ``forward_backward``, and
 end with the weights of one process; the checkpoint a pipeline wrote exports to a directory
 ``from_pretrained`` loads, giving the trained model's logits (and tying the head again). The
 tied Llama also trains pipelined from a stateful stream with a token-weighted loss, equal to
@@ -26,6 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dream_trainer.cli import main as cli
+from dream_trainer.nn import replace_hf_moe_blocks
 from tests.helpers.hf import build, fixed_batch, logits, save_pretrained
 from tests.helpers.launch import REPO, check, child_env, torchrun
 
@@ -33,6 +35,7 @@ pytestmark = pytest.mark.distributed
 
 SCRIPT = REPO / "tests/scripts/hf_pipeline_run.py"
 ARCHITECTURES = ["llama", "qwen3", "llama_tied"]
+MOE = "qwen3_moe"  # its transformers MoE blocks replaced by dream_trainer's MoE layers
 TIED = ("model.embed_tokens.weight", "lm_head.weight")
 TWO_RANKS = ["pp2_1f1b", "pp2_interleaved"]
 FOUR_RANKS = ["qwen3", "llama_tied"]
@@ -42,7 +45,7 @@ ATOL = 1e-6
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("hf_pipeline")
-    pretrained = {arch: root / arch for arch in ARCHITECTURES}
+    pretrained = {arch: root / arch for arch in [*ARCHITECTURES, MOE]}
     for arch, path in pretrained.items():
         save_pretrained(arch, path, layers=4)  # type: ignore[arg-type]
 
@@ -50,12 +53,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         return [f"{arch}:{pretrained[arch]}:{layout}" for arch in archs for layout in layouts]
 
     check(subprocess.run([sys.executable, str(SCRIPT), str(root / "one.pt"), str(root / "ckpt"),
-                          *specs(["single"])], env=child_env(), cwd=REPO, capture_output=True,
-                         text=True, timeout=300))
+                          *specs(["single"], [*ARCHITECTURES, MOE])], env=child_env(), cwd=REPO,
+                         capture_output=True, text=True, timeout=300))
     # The tied Llama is a Llama: with the untied one it covers Llama under each layout.
     check(torchrun(SCRIPT, [str(root / "two.pt"), str(root / "ckpt"),
                             *specs(TWO_RANKS, ["llama", "qwen3"]),
-                            *specs(["pp2_1f1b"], ["llama_tied"])], nproc=2, timeout=400))
+                            *specs(["pp2_1f1b"], ["llama_tied", MOE])], nproc=2, timeout=400))
     check(torchrun(SCRIPT, [str(root / "four.pt"), str(root / "ckpt"),
                             *specs(["pp2_fsdp2"], FOUR_RANKS)], nproc=4, timeout=400))
     results: dict[str, Any] = {}
@@ -83,9 +86,18 @@ def test_one_process_loads_the_files_and_moves(runs: dict[str, Any], arch: str) 
     assert single["global_step"] == 3
 
 
+def test_the_moe_model_loads_its_files_into_moe_layers_and_moves(runs: dict[str, Any]) -> None:
+    single = runs[f"{MOE}:single"]
+    reference = AutoModelForCausalLM.from_pretrained(single["pretrained"])
+    assert replace_hf_moe_blocks(reference) == [f"model.layers.{i}.mlp" for i in range(4)]
+    assert max_error(single["initial"], dict(reference.named_parameters())) == 0
+    assert max_error(single["final"], single["initial"]) > 1e-3
+
+
 @pytest.mark.parametrize(("arch", "layout"), [
     *((arch, layout) for arch in ("llama", "qwen3") for layout in TWO_RANKS),
-    ("llama_tied", "pp2_1f1b"), *((arch, "pp2_fsdp2") for arch in FOUR_RANKS)])
+    ("llama_tied", "pp2_1f1b"), (MOE, "pp2_1f1b"),
+    *((arch, "pp2_fsdp2") for arch in FOUR_RANKS)])
 def test_pipelined_decoder_trains_like_one_process(runs: dict[str, Any], arch: str,
                                                    layout: str) -> None:
     single, run = runs[f"{arch}:single"], runs[f"{arch}:{layout}"]
