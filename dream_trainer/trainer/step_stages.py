@@ -107,8 +107,6 @@ class UpdateVote:
     def decide(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
         """Ask every voter (all of them: a vote may be a collective); True when the update of
         global step ``step`` (the one being taken) happens."""
-        if not self.voters and not self.vetoes:
-            return True  # nobody votes (step() does not even call this then)
         against, self.vetoes = self.vetoes, []
         for cause, voter in self.voters.items():
             if not voter(model, optimizer) and cause not in against:
