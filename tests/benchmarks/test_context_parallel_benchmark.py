@@ -89,7 +89,10 @@ def test_quick_run_reports_memory_and_step_time_of_cp1_and_cp2(tmp_path: Path) -
             shape.batch * shape.seq_len / layout["median_step_seconds"]
     low, high = result["step_time_ratio_spread"]
     assert 0 < low <= result["step_time_ratio_cp2_to_cp1"] <= high
-    assert result["max_weight_difference"] < 1e-5  # cp=2 trained the same model
+    # cp=2 trained the same model: the benchmark reports an absolute figure, and 1e-5 is ~80
+    # float32 ulps at weights of scale 1, loose for a sanity check (tests/parallel's
+    # test_context_parallel.py holds cp=2 to ulps of the scale) and tight for a wrong layout.
+    assert result["max_weight_difference"] < 1e-5
     table = (tmp_path / "results.md").read_text()
     assert "| CPU activation memory per rank, cp=2 / cp=1 | " \
         f"{result['activation_ratio_cp2_to_cp1']:.3f} |" in table

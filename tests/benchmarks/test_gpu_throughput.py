@@ -32,10 +32,12 @@ def test_every_variant_runs_and_the_float8_rows_train_in_float8() -> None:
     assert result["dream_float8_tensorwise"]["float8_layers"] == 4 * shape.n_layers
     assert result["dream_float8_rowwise"]["float8_layers"] == 4 * shape.n_layers
     assert result["dream"]["float8_layers"] == 0
-    # The trainer trains what the hand-written loop trains (same seed, batches and steps);
-    # float8 changes the numerics a little (the same bound as tests/parallel/test_float8.py).
+    # The trainer trains what the hand-written loop trains (same seed, batches and steps):
+    # the same ops in the same order, equal bit for bit (measured on AVX512, AVX2 and ATen's
+    # default kernels). float8 changes the numerics a little (the same absolute bound as
+    # tests/parallel/test_float8.py: float8's rounding, not the CPU's, sets it).
     hand = result["hand"]["final_loss"][0]
-    assert abs(result["dream"]["final_loss"][0] - hand) < 1e-6
+    assert result["dream"]["final_loss"][0] == hand
     for recipe in ("tensorwise", "rowwise"):
         loss = result[f"dream_float8_{recipe}"]["final_loss"][0]
         assert 0 < abs(loss - hand) < 1e-2, recipe

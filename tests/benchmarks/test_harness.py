@@ -53,7 +53,10 @@ def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> 
     pipeline = results["sections"]["pipeline_steps"]
     assert math.isfinite(pipeline["ratio_pipeline_to_one"]) \
         and pipeline["ratio_pipeline_to_one"] > 0
-    assert pipeline["max_weight_difference"] < 1e-4  # the pipeline trained the same model
+    # The pipeline (and below ep=2) trained the same model: an absolute figure the benchmark
+    # reports, ~800 float32 ulps at weights of scale 1, a sanity check whatever the CPU (the
+    # parity to ulps of the scale is tested in tests/parallel and tests/nn).
+    assert pipeline["max_weight_difference"] < 1e-4
     experts = results["sections"]["expert_steps"]
     assert math.isfinite(experts["ratio_ep2_to_one"]) and experts["ratio_ep2_to_one"] > 0
     assert experts["max_weight_difference"] < 1e-4  # ep=2 trained the same model

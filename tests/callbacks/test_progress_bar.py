@@ -95,6 +95,8 @@ def test_plain_lines_have_the_exact_format_and_values(monkeypatch: pytest.Monkey
         match = re.fullmatch(rf"epoch {epoch}/3 step {step}/12 loss_ema (\d+\.\d{{4}}) "
                              rf"32\.0 samples/s eta 0:00:0{(12 - step) // 2}{RSS}", line)
         assert match, line
+        # Printed to 4 decimals: an absolute rounding (at most 5e-5) on every CPU, beside
+        # which float32's is nothing (the same below).
         assert float(match.group(1)) == pytest.approx(smoothed[step - 1], abs=1e-4)
         if step % 4 == 0:
             assert lines.pop(0) == next(expected_val)

@@ -16,11 +16,13 @@ from transformers import AutoModelForCausalLM
 from dream_trainer.cli import main as cli
 from tests.helpers.hf import fixed_batch, logits, save_pretrained
 from tests.helpers.launch import REPO, check, torchrun
+from tests.helpers.tolerance import assert_close_to_scale
 
 SCRIPT = REPO / "tests/scripts/hf_run.py"
 # Sharded matmuls and all-reduced partial sums change the summation order: float32 noise,
-# far below 1e-5, which is what the issue asks for.
-ATOL = 1e-5
+# far below the issue's 1e-5 (~80 ulps at logits of scale 1): 64 ulps of the logits' scale,
+# for a few layers' sums.
+LOGIT_ULPS = 64
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +41,11 @@ def run(layouts: list[str], nproc: int, pretrained: Path, root: Path) -> dict[st
 def check_round_trip(result: dict[str, Any], reference: torch.Tensor, live: Path) -> None:
     """Loaded: transformers' logits. Fine-tuned and exported: from_pretrained computes the
     final model's logits."""
-    torch.testing.assert_close(result["initial"], reference, atol=ATOL, rtol=0)
+    assert_close_to_scale(result["initial"], reference, ulps=LOGIT_ULPS)
     assert result["global_step"] == 3
     assert not torch.allclose(result["final"], reference)  # the steps changed the model
     assert result["exported"] == {"model": live}
-    torch.testing.assert_close(reloaded_logits(live), result["final"], atol=ATOL, rtol=0)
+    assert_close_to_scale(reloaded_logits(live), result["final"], ulps=LOGIT_ULPS)
 
 
 def reloaded_logits(directory: Path) -> torch.Tensor:
@@ -73,7 +75,7 @@ def test_fsdp_and_ddp_on_2_ranks_load_fine_tune_and_export(
                 "--config-from", str(path)]) == 0
     assert sorted(p.name for p in offline.iterdir()) == ["config.json", "generation_config.json",
                                                          "model.safetensors"]
-    torch.testing.assert_close(reloaded_logits(offline), result["final"], atol=ATOL, rtol=0)
+    assert_close_to_scale(reloaded_logits(offline), result["final"], ulps=LOGIT_ULPS)
     half = tmp_path / "bf16"
     assert cli(["export", str(result["checkpoint"]), str(half), "--format", "hf", "--dtype",
                 "bf16", "--max-shard-size", "20KB"]) == 0

@@ -21,6 +21,7 @@ import torch
 
 from tests.helpers.launch import REPO, run_script
 from tests.helpers.sharded import documents
+from tests.helpers.tolerance import assert_close_to_scale
 
 SCRIPT = REPO / "tests/scripts/sharded_stream_run.py"
 CHECKPOINT_EVERY = 3  # the script's
@@ -135,7 +136,8 @@ def test_one_global_batch_is_the_same_samples_on_1_2_and_4_ranks(runs: Path) -> 
         assert global_batches(log) == one, ranks
         reference, other = weights(runs / "one" / "sgd1"), weights(log)
         for name, tensor in reference.items():
-            torch.testing.assert_close(other[name], tensor, rtol=0, atol=1e-6, msg=name)
+            # The same samples, their gradients summed over ranks in another order.
+            assert_close_to_scale(other[name], tensor, ulps=16, msg=name)
 
 
 @pytest.mark.distributed

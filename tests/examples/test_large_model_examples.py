@@ -38,6 +38,8 @@ def test_finetune_hf_starts_from_the_pretrained_weights_and_exports_what_it_trai
     (_, start), (step, end) = val_losses(first)
     assert step == 15 and abs(start - 5.55) < 0.3  # the stand-in's weights are random
     assert end < start - 1.0, first
+    # The exported model's loss against the trained one's: a loss of a few units here (it
+    # started at ln(256) and fell by more than 1), of which 1e-5 is some tens of float32 ulps.
     assert float(re.search(r"loss differs by ([\d.e+-]+)", first).group(1)) <= 1e-5
     assert {p.name for p in (outputs / "exported").iterdir()} == {
         "config.json", "generation_config.json", "model.safetensors"}
@@ -57,7 +59,7 @@ def test_finetune_hf_starts_from_the_pretrained_weights_and_exports_what_it_trai
     (_, piped_start), (piped_step, piped_end) = val_losses(piped)
     assert piped_step == 15
     assert abs(piped_start - start) <= 1.5e-4 and abs(piped_end - end) <= 1.5e-4, piped
-    assert float(re.search(r"loss differs by ([\d.e+-]+)", piped).group(1)) <= 1e-5
+    assert float(re.search(r"loss differs by ([\d.e+-]+)", piped).group(1)) <= 1e-5  # as above
     # The tied-embedding variant of the stand-in, pipelined: the embedding and the head are one
     # weight held by both stages; it trains, and the export ties them again (from_pretrained
     # loads one tensor and gives the trained loss).
@@ -70,7 +72,7 @@ def test_finetune_hf_starts_from_the_pretrained_weights_and_exports_what_it_trai
         outputs / "pretrained_tied")
     (_, tied_start), (tied_step, tied_end) = val_losses(tied)
     assert tied_step == 15 and tied_end < tied_start - 1.0, tied
-    assert float(re.search(r"loss differs by ([\d.e+-]+)", tied).group(1)) <= 1e-5
+    assert float(re.search(r"loss differs by ([\d.e+-]+)", tied).group(1)) <= 1e-5  # as above
     assert json.loads((tmp_path / "tied" / "config.json").read_text())["tie_word_embeddings"]
 
 

@@ -10,6 +10,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from dream_trainer.configs import DeviceParameters
 from tests.helpers.transformer import TransformerTrainer, transformer_config
+from tests.helpers.tolerance import assert_close_to_scale
 
 
 def train(device_parameters: DeviceParameters, trainer_class: type = TransformerTrainer,
@@ -42,8 +43,9 @@ def test_compile_compiles_each_block_and_trains_the_same(plain: dict[str, torch.
     assert all(isinstance(layer, torch._dynamo.eval_frame.OptimizedModule)
                for layer in trainer.model.layers)
     for name, tensor in plain.items():
-        # Fused kernels may round differently from eager ones.
-        torch.testing.assert_close(params(trainer)[name], tensor, rtol=0, atol=1e-5)
+        # Fused kernels round differently from eager ones, in every op forward and backward
+        # (up to 4.9 ulps of the scale seen on AVX512, AVX2 and ATen's default kernels).
+        assert_close_to_scale(params(trainer)[name], tensor, ulps=32, msg=name)
 
 
 def test_float16_scales_the_loss_and_skips_overflowing_steps() -> None:

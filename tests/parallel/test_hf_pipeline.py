@@ -10,9 +10,10 @@ tied Llama also trains pipelined from a stateful stream with a token-weighted lo
 one process, and resumes bit-exactly after a SIGKILL.
 
 Tolerance: a pipeline adds its microbatches' gradients in another order than one process,
-which moves float32 weights by ~1e-8 and step losses by ~5e-7; 1e-6 (the issue's bound)
-is far below what a wrong split, a skipped rotary embedding or a lost stage would do (the
-3 SGD steps move the weights by ~5e-3).
+which moves float32 weights by ~1e-8 and step losses by ~5e-7, a few ulps of their scale; 16
+ulps of the scale (tests/helpers/tolerance.py; the issue asked for 1e-6, ~8 ulps at 1) is far
+below what a wrong split, a skipped rotary embedding or a lost stage would do (the 3 SGD steps
+move the weights by ~5e-3).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dream_trainer.cli import main as cli
 from dream_trainer.nn import replace_hf_moe_blocks
 from tests.helpers.hf import build, fixed_batch, logits, save_pretrained
 from tests.helpers.launch import REPO, check, child_env, torchrun
+from tests.helpers.tolerance import assert_close_to_scale
 
 pytestmark = pytest.mark.distributed
 
@@ -39,7 +41,7 @@ MOE = "qwen3_moe"  # its transformers MoE blocks replaced by dream_trainer's MoE
 TIED = ("model.embed_tokens.weight", "lm_head.weight")
 TWO_RANKS = ["pp2_1f1b", "pp2_interleaved"]
 FOUR_RANKS = ["qwen3", "llama_tied"]
-ATOL = 1e-6
+ULPS = 16
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +79,15 @@ def max_error(run: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) 
                for name, tensor in reference.items())
 
 
+def assert_weights_close(run: dict[str, torch.Tensor],
+                         reference: dict[str, torch.Tensor]) -> None:
+    """Every parameter of ``reference`` within ``ULPS`` of its scale in ``run`` (the keys as
+    :func:`max_error` checks them)."""
+    assert run.keys() - set(TIED[1:]) == reference.keys() - set(TIED[1:])
+    for name, tensor in reference.items():
+        assert_close_to_scale(run[name].detach(), tensor.detach(), ulps=ULPS, msg=name)
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_one_process_loads_the_files_and_moves(runs: dict[str, Any], arch: str) -> None:
     single = runs[f"{arch}:single"]
@@ -104,18 +115,20 @@ def test_pipelined_decoder_trains_like_one_process(runs: dict[str, Any], arch: s
     assert run["model_type"] == "PipelineStages" and run["global_step"] == 3
     # Each rank read its stages' tensors (its FSDP2 slices of them) from the same files.
     assert max_error(run["initial"], single["initial"]) == 0
-    assert max_error(run["final"], single["final"]) < ATOL
+    assert_weights_close(run["final"], single["final"])
     # The logged step loss is the whole step's: both micro-batches, every data rank.
-    torch.testing.assert_close(run["step_losses"], single["step_losses"], rtol=0, atol=ATOL)
+    assert_close_to_scale(run["step_losses"], single["step_losses"], ulps=ULPS,
+                          dtype=torch.float32)
     # The norm of the whole model's gradient: a tied weight counts once.
-    torch.testing.assert_close(run["grad_norms"], single["grad_norms"], rtol=0, atol=ATOL)
+    assert_close_to_scale(run["grad_norms"], single["grad_norms"], ulps=ULPS,
+                          dtype=torch.float32)
     if arch == "llama_tied":
         # The first stage's embedding and the last stage's head, after every step: one
         # parameter (their gradients were summed before the step), as in one process.
         assert len(run["tied_copies"]) == 3
         for copies in run["tied_copies"]:
             assert torch.equal(copies[TIED[0]], copies[TIED[1]])
-        assert max_error(run["tied_copies"][-1], single["tied_copies"][-1]) < ATOL
+        assert_weights_close(run["tied_copies"][-1], single["tied_copies"][-1])
 
 
 @pytest.mark.parametrize("arch", FOUR_RANKS)
@@ -133,8 +146,10 @@ def test_a_pipelines_checkpoint_exports_to_from_pretrained(runs: dict[str, Any],
     reference = build(arch, layers=4)  # type: ignore[arg-type]
     missing = reference.load_state_dict(single["final"], strict=False).missing_keys
     assert missing == (["lm_head.weight"] if arch == "llama_tied" else [])  # tied: one tensor
-    torch.testing.assert_close(logits(exported, fixed_batch()),
-                               logits(reference, fixed_batch()), atol=1e-5, rtol=0)
+    # The same weights through the pipeline-trained export and the one process's: logits
+    # of the weights above (16 ulps apart) through 4 layers, so a few times their bound.
+    assert_close_to_scale(logits(exported, fixed_batch()), logits(reference, fixed_batch()),
+                          ulps=64)
 
 
 RESUME_SCRIPT = REPO / "tests/scripts/hf_pipeline_resume.py"
@@ -183,6 +198,6 @@ def test_streamed_token_weighted_pipeline_equals_one_process_and_resumes_bit_exa
     # ... and the pipeline trained as one process did on the same stream (the token-weighted
     # mean over each step's 2 micro-batches; summation order only, as above).
     assert one["model_type"] == "LlamaForCausalLM" and one["trained_on"] == list(range(64))
-    assert max_error({**first, **last}, one["weights"]) < ATOL
+    assert_weights_close({**first, **last}, one["weights"])
     saved = AutoModelForCausalLM.from_pretrained(pretrained)
     assert max_error(one["weights"], dict(saved.named_parameters())) > 1e-3  # it trained
