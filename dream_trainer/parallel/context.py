@@ -7,7 +7,9 @@ per token and runs on the local part unchanged. Attention all-gathers the keys a
 of the whole sequence over ``cp`` (in backward their gradients are summed back to their
 owners), and each local chunk of queries attends to the keys up to its global position
 (without a mask tensor: see ``_CausalChunks``), so a rank's queries see exactly the keys one
-process would show them.
+process would show them. Under a sliding window each chunk attends to the band of keys its
+window reaches (``window_chunks``); transformers models get their windows and positions
+through ``context_hf``.
 
 Why an all-gather rather than a ring: it is Llama 3's design for long-context training, it
 runs any SDPA kernel unchanged (the CPU kernels included, which torch's ring implementation
@@ -30,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dream_trainer.parallel.context_hf import HFDecoders, check_attention
 from dream_trainer.world.dims import MeshAxis
 from dream_trainer.world.world import DistributedWorld
 
@@ -85,6 +88,24 @@ class SequenceSplit:
         # From the chunk numbers, not read back from ``local``: a plan's tensors have no values.
         self.starts = [chunk * self.chunk for chunk in held_chunks(cp, rank, balanced)]
         """The first position of each chunk this rank holds, in its order."""
+        self._bands: dict[int, list[tuple[int, torch.Tensor]]] = {}
+
+    def bands(self, window: int) -> list[tuple[int, torch.Tensor]]:
+        """For each chunk this rank holds, the first key position it can see under a sliding
+        window of ``window`` keys (a query at ``p`` sees keys ``p - window < k <= p``, as
+        transformers' masks) and the boolean mask of its queries over the keys from there to
+        the chunk's end: ``[chunk, end - first]``, at most ``chunk + window - 1`` wide."""
+        if window not in self._bands:
+            device = self.local.device
+            rows = torch.arange(self.chunk, device=device).unsqueeze(1)
+            bands = []
+            for start in self.starts:
+                first = max(0, start - window + 1)
+                keys = torch.arange(first, start + self.chunk, device=device).unsqueeze(0)
+                queries = rows + start
+                bands.append((first, (keys <= queries) & (keys > queries - window)))
+            self._bands[window] = bands
+        return self._bands[window]
 
     def take(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """``tensor``'s rows at this rank's positions along ``dim``."""
@@ -191,6 +212,22 @@ def lower_right_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return torch.cat(parts, -2)
 
 
+def window_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  split: SequenceSplit, window: int, dropout_p: float = 0.0,
+                  scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """Sliding-window causal attention of a rank's chunks of queries over the whole
+    sequence's keys (in position order), by global position: each chunk attends through its
+    band's mask (``SequenceSplit.bands``) to the keys its window reaches, so the cost per
+    chunk is its band, not the sequence; autograd differentiates torch's kernel."""
+    parts = []
+    for index, (first, mask) in enumerate(split.bands(window)):
+        end = split.starts[index] + split.chunk
+        parts.append(_SDPA(query[..., index * split.chunk:(index + 1) * split.chunk, :],
+                           key[..., first:end, :], value[..., first:end, :], attn_mask=mask,
+                           dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa))
+    return torch.cat(parts, -2)
+
+
 class _GatheredAttention:
     """``attend`` stands for ``F.scaled_dot_product_attention`` while a split is active: over
     this rank's part of a split sequence it attends to the whole sequence
@@ -201,6 +238,9 @@ class _GatheredAttention:
         self.split, self.group, self.ranks, self.rank = split, group, ranks, rank
         self._inside = False
         """True while torch's causal bias, called from here, calls SDPA back by its name."""
+        self.window: int | None = None
+        """The sliding window of the attention now running (set around a transformers
+        layer's attention that declares one, ``context_hf``), else None."""
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
@@ -225,9 +265,12 @@ class _GatheredAttention:
                 "context_parallel_seq_dim")
         if attn_mask is not None:
             raise ValueError(
-                f"under context_parallel={self.ranks} attention takes no attn_mask (it builds "
-                "the causal mask over the gathered sequence itself): pass is_causal=True for "
-                "causal attention, or nothing for full attention")
+                f"under context_parallel={self.ranks} attention received an attn_mask of shape "
+                f"{tuple(attn_mask.shape)}, but a mask built over this rank's "
+                f"{local} positions does not describe the whole sequence's {self.split.length}: "
+                "pass is_causal=True for causal attention (nothing for full attention) and no "
+                "mask; a sliding window is applied by position for transformers models that "
+                "declare one")
         dim = query.dim() - 2
         key = _GatherSequence.apply(key, dim, self.group, self.ranks, self.rank)
         value = _GatherSequence.apply(value, dim, self.group, self.ranks, self.rank)
@@ -236,6 +279,9 @@ class _GatheredAttention:
                          enable_gqa=enable_gqa)
         order = self.split.natural_order
         key, value = key.index_select(dim, order), value.index_select(dim, order)
+        if self.window is not None and self.window < self.split.length:
+            return window_chunks(query, key, value, self.split, self.window, dropout_p, scale,
+                                 enable_gqa)
         if query.device.type == "cpu" and dropout_p == 0:
             if enable_gqa and key.size(-3) != query.size(-3):
                 repeats = query.size(-3) // key.size(-3)
@@ -291,17 +337,20 @@ class ContextParallel(Context):
         self.buffers: list[tuple[nn.Module, str, int]] = []
         self._splits: dict[tuple[int, torch.device], SequenceSplit] = {}
         self._active: SequenceSplit | None = None
-        self._hooks: list[Any] = []
+        self._decoders: HFDecoders | None = None
 
     def bind(self, buffers: Mapping[str, int], models: Mapping[str, nn.Module]) -> None:
         """Find each buffer named ``"<model attribute>.<module path>.<buffer>"`` (a rotary
         table indexed by position, say; the module path may hold ``*`` wildcards, as in
         ``"model.layers.*.rope.angles"``) with its sequence dimension: inside ``split`` it
-        holds only this rank's positions, in this rank's order.
+        holds only this rank's positions, in this rank's order. transformers models among
+        ``models`` get what they need without user code (``context_hf``).
 
         Raises:
-            ValueError: naming a buffer that no model holds.
+            ValueError: naming a buffer that no model holds, or a transformers model whose
+                attention does not run through SDPA.
         """
+        check_attention(models, self.ranks)
         self.buffers = []
         for path, dim in buffers.items():
             found = _find_buffers(path, models)
@@ -311,15 +360,9 @@ class ContextParallel(Context):
                     "buffer: give '<model attribute>.<module path>.<buffer name>' as "
                     f"named_buffers() spells it (models: {sorted(models)})")
             self.buffers += [(module, name, dim) for module, name in found]
-        for hook in self._hooks:
-            hook.remove()
-        # A transformers decoder counts the positions of the part it is given from 0 and
-        # turns them into rotations in its rotary embedding: the hook maps them to the
-        # positions this rank holds (its attention mask stays None, so SDPA runs causal).
-        self._hooks = [module.register_forward_pre_hook(self._global_positions,
-                                                        with_kwargs=True)
-                       for model in models.values() for module in model.modules()
-                       if _is_hf_rotary(module)]
+        if self._decoders is not None:
+            self._decoders.remove()
+        self._decoders = HFDecoders(models, self.ranks, lambda: self._active, self._group)
 
     @contextlib.contextmanager
     def split(self, tensors: Tensors, seq_dim: int | None = None) -> Iterator[Tensors]:
@@ -351,7 +394,9 @@ class ContextParallel(Context):
         self._active = split
         try:
             attention = _GatheredAttention(split, group, self.ranks, self._rank())
-            with _local_buffers(self.buffers, split), _attention_through(attention):
+            decoders = self._decoders.attention(attention) if self._decoders is not None \
+                else contextlib.nullcontext()
+            with _local_buffers(self.buffers, split), _attention_through(attention), decoders:
                 yield parts
         finally:
             self._active = None
@@ -362,16 +407,6 @@ class ContextParallel(Context):
         total = loss.detach().clone()
         dist.all_reduce(total, group=self._group())
         return total if summed else total / self.ranks
-
-    def _global_positions(self, module: nn.Module, args: Tensors,
-                          kwargs: dict[str, Any]) -> tuple[Tensors, dict[str, Any]] | None:
-        """The rotary embedding's ``position_ids`` (local indices) as the positions held."""
-        if self._active is None:
-            return None
-        local = self._active.local
-        if "position_ids" in kwargs:
-            return args, {**kwargs, "position_ids": local[kwargs["position_ids"]]}
-        return (args[0], local[args[1]], *args[2:]), kwargs
 
     def _split(self, length: int) -> SequenceSplit:
         key = (length, self.world.device)
@@ -390,12 +425,6 @@ class ContextParallel(Context):
         mesh = self.world.get_mesh(MeshAxis.CP)
         assert mesh is not None
         return mesh.get_local_rank()
-
-
-def _is_hf_rotary(module: nn.Module) -> bool:
-    kind = type(module)
-    return kind.__module__.startswith("transformers.") \
-        and kind.__name__.endswith("RotaryEmbedding")
 
 
 def _find_buffers(path: str, models: Mapping[str, nn.Module]) -> list[tuple[nn.Module, str]]:

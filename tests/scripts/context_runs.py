@@ -12,6 +12,9 @@ and SIGKILLs rank 0 after step 5 (once per WORK): run again, it resumes from ste
 
 A run named ``hf_<layout>`` fine-tunes instead the tiny Llama that WORK/pretrained holds
 (``init_weights_from``) through ``forward_backward``, and exports it to WORK/export_<run>.
+A run named ``window_<model>_<layout>`` fine-tunes a tiny transformers decoder with a
+sliding window (``WINDOW_MODELS``) from its own seeded initialization the same way;
+``window_padded_cp2`` calls one with a padding mask and records the error.
 
 Usage: context_runs.py OUT WORK RUN [RUN ...]   (RUN names a layout of ``LAYOUTS``)
 """
@@ -113,6 +116,54 @@ def hf_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
 
 
+WINDOW_MODELS = {
+    # name: (architecture, sliding window); the sequence is 16 tokens, 8 per rank at cp=2
+    "mistral12": ("mistral", 12),  # longer than a rank's part, shorter than the sequence
+    "mistral6": ("mistral", 6),  # shorter than a rank's part
+    "mistral3": ("mistral", 3),  # shorter than a balanced chunk (4)
+    "qwen2": ("qwen2", 6),  # a full-attention layer, then a sliding one
+}
+
+
+def window_model(name: str) -> torch.nn.Module:
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    architecture, window = WINDOW_MODELS[name]
+    sizes = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 2 * SEQ}
+    if architecture == "mistral":
+        return MistralForCausalLM(MistralConfig(sliding_window=window, **sizes))
+    config = Qwen2Config(use_sliding_window=True, sliding_window=window, max_window_layers=1,
+                         **sizes)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    return Qwen2ForCausalLM(config)
+
+
+class WindowTrainer(HFContextTrainer):
+    """A sliding-window decoder fine-tuned as ``HFContextTrainer`` fine-tunes the Llama
+    (no export); with ``padded``, its first step passes a mask that pads the first sequence's
+    last position (held by one rank only)."""
+
+    window_model: str
+    padded = False
+
+    def configure_models(self) -> None:
+        self.model = window_model(self.window_model)
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        if self.padded:
+            (tokens,) = batch
+            mask = torch.ones_like(tokens[:, :-1])
+            mask[0, -1] = 0
+            self.forward_backward(self.model, tokens[:, :-1], mask, target=tokens[:, 1:],
+                                  loss_fn=hf_loss)
+        return super().training_step(batch, batch_idx)
+
+    def post_fit(self) -> None:
+        pass
+
+
 def device_parameters(name: str) -> DeviceParameters:
     layout, _ = LAYOUTS[name]
     return DeviceParameters(device="cpu", **({"dp_replicate": 1} | layout)) if layout \
@@ -158,6 +209,26 @@ def hf_run(name: str, work: Path) -> dict[str, Any]:
             "losses": recorder.losses, "export": str(trainer.export_dir)}
 
 
+def window_run(name: str, work: Path) -> dict[str, Any]:
+    _, model, layout = name.split("_")
+    config = hf_config(device_parameters=device_parameters(layout), seed=3)
+    trainer = WindowTrainer(config.model_copy(update={"experiment": name}))
+    trainer.window_model, trainer.padded = model if model != "padded" else "mistral6", \
+        model == "padded"
+    if trainer.padded:
+        try:
+            trainer.fit()
+        except ValueError as error:
+            return {"error": str(error)}
+        return {"error": None}
+    recorder = Recorder()
+    trainer.callbacks.append(recorder)
+    trainer.callbacks.attach(trainer)
+    trainer.fit()
+    return {"initial": recorder.initial, "weights": recorder.weights,
+            "losses": recorder.losses}
+
+
 def config(name: str, summed: bool = True) -> GPTConfig:
     _, dp = LAYOUTS[name.removesuffix("_mean")]
     device = device_parameters(name.removesuffix("_mean"))
@@ -193,7 +264,7 @@ def run(name: str) -> dict[str, Any]:
 
 
 def main(out: str, work: str, names: list[str]) -> None:
-    runs = {"hf": hf_run, "ckpt": checkpointed_run}
+    runs = {"hf": hf_run, "ckpt": checkpointed_run, "window": window_run}
     results = {name: runs[name.split("_")[0]](name, Path(work)) if name.split("_")[0] in runs
                else run(name) for name in names}
     save_on_rank_zero(results, out, "context_runs")
