@@ -22,11 +22,11 @@ from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.nn.hf_moe import StackedKey
 from dream_trainer.utils.paths import component_problem
 from dream_trainer.weights.hf import (DEFAULT_MAX_SHARD_BYTES, ExportFormat, KeyMap,
-                                      check_out_dir, export_live, export_paths, exported_names,
+                                      check_out_dir, export_live, export_paths,
                                       exported_state, is_weight_file, plan_shards,
                                       replace_weights, shard_file_names, write_index,
                                       write_model_config)
-from dream_trainer.weights.stacked import Part, checkpoint_rules, model_rules, split_names
+from dream_trainer.weights.stacked import Part, checkpoint_rules, exported_parts, model_rules
 from dream_trainer.world.agree import barrier, from_rank_zero, is_rank_zero
 
 _STAGING = ".export.partial"
@@ -35,7 +35,7 @@ _STAGING = ".export.partial"
 
 def export_checkpoint(checkpoint: str | Path | Location, out_dir: str | Path | Location,
                       format: ExportFormat = "safetensors", dtype: torch.dtype | None = None,
-                      map_key: Callable[[str, str], str | None] | None = None,
+                      map_key: KeyMap | None = None,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                       overwrite: bool = False,
                       model_type: str | None = None) -> dict[str, Location]:
@@ -56,15 +56,17 @@ def export_checkpoint(checkpoint: str | Path | Location, out_dir: str | Path | L
             ``overwrite`` is set.
         format: ``"safetensors"`` or ``"hf"``.
         dtype: Cast floating tensors to it (``torch.bfloat16``); None keeps the saved dtype.
-        map_key: ``(model name, key) -> exported key`` (None leaves the key out); ``"hf"``
-            only. ``trainer.map_exported_key`` is the usual one.
+        map_key: ``(model name, key) -> exported key`` (None leaves the key out; a
+            ``TransformedKey`` also transforms the tensor); ``"hf"`` only.
+            ``trainer.map_exported_key`` is the usual one.
         max_shard_bytes: Largest shard of an ``"hf"`` export.
         overwrite: Export into a non-empty ``out_dir``: the weight files of an earlier export
             there are replaced once the new ones are written; other files stay.
         model_type: ``"hf"`` only: the transformers model type (``config.json``'s
-            ``model_type``, e.g. ``"mixtral"``, ``"qwen3_moe"``) whose files the ``MoE``
-            layers' weights are written as, one tensor per expert as ``save_pretrained``
-            writes them (``nn.hf_moe.FILE_LAYOUTS``); None writes them stacked, as trained.
+            ``model_type``, e.g. ``"mixtral"``, ``"qwen3_moe"``) whose files the experts of
+            ``MoE`` layers and of transformers' own blocks are written as, one tensor per
+            expert as ``save_pretrained`` writes them (``nn.hf_moe.FILE_LAYOUTS``); None
+            writes them stacked, as trained.
 
     Returns:
         The written file (``"safetensors"``) or directory (``"hf"``) of each model.
@@ -251,16 +253,14 @@ def _on_rank_zero(target: Location, work: Callable[[], None]) -> None:
 
 
 def _write_hf(reader: Any, model: str, tensors: dict[str, Any], dtype: torch.dtype | None,
-              map_key: Callable[[str, str], str | None] | None, max_shard_bytes: int,
+              map_key: KeyMap | None, max_shard_bytes: int,
               target: Path, staging: Path, rules: Mapping[str, StackedKey]) -> None:
-    parts = split_names(tensors, rules)  # file key before renaming -> part of a tensor
-    renamed = exported_names(model, parts, map_key)  # exported key -> file key
-    sizes = {key: _exported_bytes(tensors[parts[name].key], dtype,
-                                  sliced=parts[name].index is not None)
-             for key, name in renamed.items()}
+    parts = exported_parts(model, tensors, rules, map_key)  # exported key -> its part
+    sizes = {key: _exported_bytes(tensors[part.key], dtype, part)
+             for key, part in parts.items()}
     shards = plan_shards(sizes, max_shard_bytes)
     for keys, file_name in zip(shards, shard_file_names(len(shards))):
-        _write_file(reader, model, {key: parts[renamed[key]] for key in keys}, tensors, dtype,
+        _write_file(reader, model, {key: parts[key] for key in keys}, tensors, dtype,
                     staging / file_name)
     if len(shards) > 1:
         write_index(staging, shards, sizes)
@@ -291,9 +291,8 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
-def _exported_bytes(entry: Any, dtype: torch.dtype | None, sliced: bool = False) -> int:
-    """The bytes of the exported tensor (or of one slice along its first dimension)."""
+def _exported_bytes(entry: Any, dtype: torch.dtype | None, part: Part) -> int:
+    """The bytes of the exported ``part`` of the tensor ``entry`` describes."""
     stored = entry.properties.dtype
     element = (dtype if dtype is not None and stored.is_floating_point else stored).itemsize
-    size = torch.Size(entry.size[1:] if sliced else entry.size)
-    return element * int(size.numel())
+    return element * int(torch.Size(part.shape(entry.size)).numel())

@@ -6,7 +6,9 @@ its tensors are the live parameters, sharded as the model is (FSDP2, TP, both); 
 then reads into them only the slices each rank owns (``SliceReader`` for safetensors),
 converting the dtype as it copies. A parameter that the files hold as several tensors (the
 experts of a transformers MoE, ``weights.stacked``) is read from each of them into its rows;
-a rank reads only the tensors of the rows it holds. No rank ever holds a full copy of the
+a rank reads only the tensors of the rows it holds; so is a tensor that the key map
+transposes (``TransformedKey``). A key map's other transforms read their file tensor whole on
+every rank, then keep the rank's shard of the result. No rank ever holds a full copy of the
 model. A source may be a local directory or an object-store URL (``s3://bucket/prefix``):
 files are read through the storage seam (``checkpoint.storage``), by byte ranges from an
 object store.
@@ -30,12 +32,14 @@ from dream_trainer.checkpoint.export import model_tensors
 from dream_trainer.checkpoint.layout import MODEL_PREFIX, CheckpointError, is_complete
 from dream_trainer.checkpoint.storage import Location, location, storage_for
 from dream_trainer.checkpoint.trust import safe_reader
-from dream_trainer.nn.hf_moe import StackedKey
+from dream_trainer.nn.hf_moe import FILE_LAYOUTS, StackedKey
 from dream_trainer.parallel.dtensor import local_tensor
 from dream_trainer.parallel.state_dict import (load_model_state_dict, model_state_dict,
                                                renames_keys, state_keys)
 from dream_trainer.weights.hf import KeyMap, check_hf_dir, is_hf_dir, tied_groups
-from dream_trainer.weights.stacked import Box, model_rules, stacked_boxes
+from dream_trainer.weights.keys import TransformedKey, mapped_name
+from dream_trainer.weights.stacked import (Box, local_box, model_rules, stacked_boxes,
+                                           transposed_box)
 from dream_trainer.world.agree import agree_any, gather_objects, is_launched, is_rank_zero
 
 logger = logging.getLogger(__name__)
@@ -64,6 +68,9 @@ class _Fit:
     stacked: list[torch.Tensor] = field(default_factory=list)  # the parameters boxes fill
     # (copy, loaded): a tied parameter's other copy on this rank, set from the loaded one.
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # (file tensor read whole, its transform, the parameter): set after the read.
+    transformed: list[tuple[torch.Tensor, TransformedKey, torch.Tensor]] = \
+        field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
@@ -113,7 +120,8 @@ class PretrainedWeights:
         models: The trainer's models by name.
         init_weights_from: One directory, or ``{model name: directory}`` (local paths or
             URLs such as ``s3://bucket/prefix``).
-        map_key: ``(model name, file key) -> model key``, or None to skip the key.
+        map_key: ``(model name, file key) -> model key``, a ``TransformedKey``, or None to
+            skip the key.
         strict: Refuse missing and unexpected keys instead of warning about them.
 
     Raises:
@@ -144,8 +152,8 @@ class PretrainedWeights:
             return set()
         model = self.models[model_name]
         owners = _owners(model_rules(model))
-        keys = {owners.get(key, key) for file_key in source.tensors
-                if (key := self.map_key(model_name, file_key)) is not None}
+        keys = {owners.get(key, (key, 0))[0] for file_key in source.tensors
+                if (key := mapped_name(self.map_key(model_name, file_key))) is not None}
         if renames_keys(model):
             # A parameter whose name a hook replaced cannot be set by a file key of that name.
             keys &= state_keys(model)
@@ -196,6 +204,8 @@ class PretrainedWeights:
                 raise CheckpointError(f"failed to load {path} into model {name!r}: "
                                       f"{exc}") from exc
             with torch.no_grad():
+                for whole, transform, target in fit.transformed:
+                    _fill(target, transform.model_tensor(whole))
                 for copy, loaded in fit.copies:
                     local_tensor(copy).copy_(local_tensor(loaded))
             if fit.hooked is not None and fit.targets:
@@ -204,6 +214,7 @@ class PretrainedWeights:
                         len(fit.targets) + len(fit.boxes), name, path)
             filled |= {local_tensor(tensor).data_ptr()
                        for tensor in [*fit.targets.values(), *fit.stacked]}
+            fit.transformed.clear()  # the whole file tensors go now, not with the plan
         unfilled = [tuple(tensor.shape) for tensor in map(local_tensor, expected)
                     if tensor.numel() and tensor.data_ptr() not in filled]
         if agree_any(bool(unfilled), device):
@@ -289,31 +300,33 @@ def _match(name: str, model: nn.Module, source: _Source, map_key: KeyMap) -> _Fi
     claimed: dict[str, str] = {}
     rules = model_rules(model)
     owners = _owners(rules)
-    found: dict[str, dict[int, str]] = {}  # stacked key -> {slice: storage key}
+    found: dict[str, dict[int, str]] = {}  # stacked key -> {part: storage key}
     for file_key, (storage_key, shape) in source.tensors.items():
-        key = map_key(name, file_key)
+        mapped = map_key(name, file_key)
+        key = mapped_name(mapped)
         if key is None:
             continue
-        owner = owners.get(key)
+        owner, index = owners.get(key, (None, 0))
         if owner is not None and rules[owner].stacked and owner in state:
-            rule = rules[owner]
-            index = rule.parts.index(key)
-            expected = tuple(state[owner].shape[1:])
-            if rule.transposed:
-                expected = (*expected[:-2], expected[-1], expected[-2])
+            expected = rules[owner].part_shape(tuple(state[owner].shape))
             if expected != shape:
-                fit.mismatched.append(f"{file_key} (file {shape}, slice {index} of {owner} "
+                fit.mismatched.append(f"{file_key} (file {shape}, slice "
+                                      f"{index // rules[owner].concat} of {owner} "
                                       f"{tuple(state[owner].shape)}: {expected})")
             else:
                 found.setdefault(owner, {})[index] = storage_key
             continue
         key = owner or key  # a tensor the files hold under another name
         shown = file_key if key == file_key else f"{file_key} (as {key})"
+        transform = mapped if isinstance(mapped, TransformedKey) else None
         if key not in state:
             fit.unexpected.append(f"{shown} {shape}")
         elif key in claimed:
             raise CheckpointError(f"map_pretrained_key({name!r}, ...) maps both "
                                   f"{claimed[key]!r} and {file_key!r} to {key!r}")
+        elif transform is not None:
+            _plan_transformed(fit, state[key], transform, storage_key, shape, shown)
+            claimed[key] = file_key
         elif tuple(state[key].shape) != shape:
             fit.mismatched.append(f"{shown} (file {shape}, model {tuple(state[key].shape)})")
         else:
@@ -325,8 +338,8 @@ def _match(name: str, model: nn.Module, source: _Source, map_key: KeyMap) -> _Fi
     groups = tied_groups(model)
     stored = {}
     for file_key, (storage_key, shape) in source.tensors.items():
-        key = map_key(name, file_key)
-        if key in groups:
+        key = map_key(name, file_key)  # a transformed key is never another's tied copy
+        if isinstance(key, str) and key in groups:
             stored.setdefault(groups[key], (storage_key, shape))
     for key, tensor in state.items():
         if key in claimed or groups.get(key, -1) not in stored:
@@ -350,9 +363,46 @@ def _match(name: str, model: nn.Module, source: _Source, map_key: KeyMap) -> _Fi
     return fit
 
 
-def _owners(rules: Mapping[str, StackedKey]) -> dict[str, str]:
-    """File key (after ``map_key``) -> the model key of the rule that reads it."""
-    return {part: rule.key for rule in rules.values() for part in rule.parts}
+def _plan_transformed(fit: _Fit, target: torch.Tensor, transform: TransformedKey,
+                      storage_key: str, shape: tuple[int, ...], shown: str) -> None:
+    """Plan the read of a file tensor that a key map transforms into ``target``: a
+    transpose reads this rank's part into a transposed view of its shard; another function
+    reads the whole tensor (into a buffer of the target's dtype, on the CPU), then keeps
+    this rank's part of the result (``_fill``)."""
+    try:
+        expected = transform.model_shape(shape)
+    except (RuntimeError, ValueError) as exc:
+        fit.mismatched.append(f"{shown} (file {shape}: the key map's transform fails on it: "
+                              f"{exc})")
+        return
+    if expected != tuple(target.shape):
+        fit.mismatched.append(f"{shown} (file {shape}, transformed {expected}, model "
+                              f"{tuple(target.shape)})")
+    elif transform.transpose is not None:
+        box = transposed_box(target, transform.dims(target.dim()))
+        if box[1].numel():  # a rank may hold none of it (more FSDP2 ranks than rows)
+            fit.boxes[storage_key] = box
+        fit.stacked.append(target)
+    else:
+        whole = torch.empty(shape, dtype=target.dtype)
+        fit.targets[storage_key] = whole
+        fit.transformed.append((whole, transform, target))
+        fit.stacked.append(target)
+
+
+def _fill(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy this rank's shard of ``value`` (the whole tensor) into ``target``'s shard."""
+    offsets, local = local_box(target)
+    for dim, (offset, length) in enumerate(zip(offsets, local.shape)):
+        value = value.narrow(dim, offset, length)
+    local.copy_(value)
+
+
+def _owners(rules: Mapping[str, StackedKey]) -> dict[str, tuple[str, int]]:
+    """File key (after ``map_key``) -> (the model key of the rule that reads it, its place
+    among the rule's parts)."""
+    return {part: (rule.key, index) for rule in rules.values()
+            for index, part in enumerate(rule.parts)}
 
 
 def _absent(rule: StackedKey | None, slices: dict[int, str] | None) -> str:
@@ -383,6 +433,11 @@ def _report(name: str, path: Location, fit: _Fit) -> str:
     if fit.unexpected:
         parts.append(f"{len(fit.unexpected)} unexpected (in the files, not in the model): "
                      f"{_listing(fit.unexpected)}")
+    if any(".experts.gate_up_proj " in key for key in fit.missing):
+        parts.append("transformers' stacked experts (experts.gate_up_proj) read the files' "
+                     "one tensor per expert only for the model types declared in "
+                     f"dream_trainer.nn.hf_moe.FILE_LAYOUTS ({', '.join(FILE_LAYOUTS)}): "
+                     "declare your model type's layout there")
     return f"init_weights_from={str(path)!r} does not fit model {name!r}: " + "; ".join(parts)
 
 

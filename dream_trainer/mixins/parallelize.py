@@ -68,19 +68,26 @@ class ParallelizeModels(AbstractTrainer):
 
         Runs on the meta device, after tensor parallelism and before FSDP2, which then
         shards each rank's experts over the remaining data-parallel ranks and every other
-        weight over all of them. Override it for a mixture-of-experts module of your own:
+        weight over all of them. Under a pipeline it runs once per stage: a stage without
+        an ``MoE`` layer is fine when another stage has one (the pipeline ranks count them
+        together, one small collective per stage at setup). Another codebase's MoE module
+        becomes ``MoE`` layers with ``replace_hf_moe_blocks`` (transformers) or
+        ``replace_torchtitan_moe_blocks`` (torchtitan); for one of your own, override this:
         shard its expert weights over ``ep_mesh`` and dispatch its tokens there.
 
         Raises:
             ValueError: if a layer's ``num_experts`` is not a multiple of ``ep_mesh``'s size,
-                or no model has an ``MoE`` layer (nothing would use the degree).
+                or no model (no stage of the pipeline) has an ``MoE`` layer: nothing would
+                use the degree. Every rank raises it.
         """
         split = sum(distribute_experts(model, ep_mesh) for model in self.named_models().values())
-        if not split:
-            raise ValueError(f"expert_parallel={ep_mesh.size()} but no model has a "
-                             "dream_trainer.nn.MoE layer: set expert_parallel=1, or override "
-                             f"{type(self).__name__}.apply_expert_parallel(ep_mesh) for your "
-                             "own mixture-of-experts module")
+        if not self.layout.experts.found_anywhere(split > 0):
+            raise ValueError(f"expert_parallel={ep_mesh.size()} but no model (no stage of a "
+                             "pipeline) has a dream_trainer.nn.MoE layer: set "
+                             "expert_parallel=1, convert your MoE modules to MoE layers "
+                             "(replace_hf_moe_blocks, replace_torchtitan_moe_blocks), or "
+                             f"override {type(self).__name__}.apply_expert_parallel(ep_mesh) "
+                             "for your own mixture-of-experts module")
 
     def context_parallel_buffers(self) -> dict[str, int]:
         """The position buffers to cut with the sequence under ``context_parallel > 1``, as

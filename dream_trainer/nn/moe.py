@@ -214,6 +214,8 @@ class MoE(nn.Module):
         score_func: ``"softmax"`` over the experts, or an independent ``"sigmoid"`` per expert
             (DeepSeek-V3).
         normalize_scores: Rescale each token's ``top_k`` weights to sum to 1.
+        route_scale: Multiply each token's ``top_k`` weights by it (after the rescaling;
+            DeepSeek-V3's 2.5).
         num_shared_experts: Experts every token passes through, as one SwiGLU network of
             hidden width ``num_shared_experts * hidden_dim`` added to the output (0: none).
         aux_loss_weight: Weight of the auxiliary load-balancing loss (0: ``aux_loss`` is 0).
@@ -234,7 +236,7 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *,
                  score_func: ScoreFunc = "softmax", normalize_scores: bool = False,
-                 num_shared_experts: int = 0, aux_loss_weight: float = 0.0,
+                 route_scale: float = 1.0, num_shared_experts: int = 0, aux_loss_weight: float = 0.0,
                  bias_update_rate: float | None = None,
                  aux_loss_scope: AuxLossScope = "micro_batch") -> None:
         super().__init__()
@@ -248,6 +250,7 @@ class MoE(nn.Module):
                              "'global_batch'")
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.normalize_scores = score_func, normalize_scores
+        self.route_scale = route_scale
         self.aux_loss_weight, self.bias_update_rate = aux_loss_weight, bias_update_rate
         self.aux_loss_scope = aux_loss_scope
         self.router = nn.Linear(dim, num_experts, bias=False)
@@ -302,6 +305,8 @@ class MoE(nn.Module):
         weights = scores.gather(-1, experts)
         if self.normalize_scores:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.route_scale != 1.0:
+            weights = weights * self.route_scale
         return experts, weights, scores
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -83,6 +83,11 @@ class Experts:
     def split(self, apply_expert_parallel: Callable[[DeviceMesh], None]) -> None:
         """Split the routed experts over the ``ep`` ranks with ``apply_expert_parallel``."""
 
+    def found_anywhere(self, here: bool) -> bool:
+        """Whether the run's models hold ``MoE`` layers anywhere, given whether the model
+        ``apply_expert_parallel`` was just called on does: here, that model's answer."""
+        return here
+
     def fully_shard(self, models: Iterable[nn.Module], config: dict[str, Any]) -> None:
         """Shard the experts with FSDP2 before the blocks holding them are sharded."""
 
@@ -94,9 +99,25 @@ class ExpertParallel(Experts):
 
     def __init__(self, world: DistributedWorld) -> None:
         self.world = world
+        self._stages_seen: list[bool] = []
 
     def split(self, apply_expert_parallel: Callable[[DeviceMesh], None]) -> None:
         apply_expert_parallel(_mesh(self.world, MeshAxis.EP))
+
+    def found_anywhere(self, here: bool) -> bool:
+        """Under a pipeline ``apply_expert_parallel`` runs once per stage, and a stage without
+        ``MoE`` layers is fine when another has some: the ``i``-th call of every pipeline
+        rank meets the others' ``i``-th in one collective (each rank holds as many stages),
+        and the verdict falls at this rank's last stage, the same on every rank (True
+        before it)."""
+        if self.world.dims.pp == 1:
+            return here
+        pp_mesh = _mesh(self.world, MeshAxis.PP)
+        self._stages_seen.append(agree_any(here, self.world.device, pp_mesh.get_group()))
+        if len(self._stages_seen) < self.world.dims.pp_stages_per_rank:
+            return True
+        seen, self._stages_seen = self._stages_seen, []
+        return any(seen)
 
     def fully_shard(self, models: Iterable[nn.Module], config: dict[str, Any]) -> None:
         mesh = self.world.expert_fsdp_mesh

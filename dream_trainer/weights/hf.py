@@ -20,7 +20,7 @@ import json
 import logging
 import shutil
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, Literal, Protocol
 
@@ -29,10 +29,12 @@ from torch import nn
 
 from dream_trainer.errors import CheckpointError
 from dream_trainer.nn.hf_moe import StackedKey
+from dream_trainer.parallel.dtensor import is_dtensor
 from dream_trainer.parallel.hf_init import is_hf_model
 from dream_trainer.parallel.names import clean_name, unwrap_ddp
 from dream_trainer.parallel.pipeline import PipelineStages, unwrap_stage
 from dream_trainer.parallel.state_dict import model_state_dict
+from dream_trainer.weights.keys import KeyMap, TransformedKey, exported_names
 from dream_trainer.weights.stacked import model_rules, split_local
 from dream_trainer.world.agree import barrier, from_rank_zero, gather_objects, is_rank_zero
 
@@ -45,8 +47,6 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 """Shard size of an export unless asked otherwise: 5 GiB, transformers 4's default."""
 
 ExportFormat = Literal["hf", "safetensors"]
-KeyMap = Callable[[str, str], "str | None"]
-"""``(model name, key) -> key``, or None to skip the key."""
 
 
 class Files(Protocol):
@@ -196,30 +196,25 @@ def exported_state(name: str, model: nn.Module, map_key: KeyMap | None,
     if rules:
         tensors = split_local(tensors, rules)
     exported = {}
-    for target, key in exported_names(name, tensors, map_key).items():
+    for target, (key, transform) in exported_names(name, tensors, map_key).items():
         tensor = tensors[key]
+        if transform is not None:
+            tensor = _transformed(tensor, transform)
         exported[target] = tensor.to(dtype) if dtype is not None \
             and tensor.is_floating_point() else tensor
     return exported
 
 
-def exported_names(model: str, keys: Iterable[str],
-                   map_key: KeyMap | None) -> dict[str, str]:
-    """``{exported key: the model's key}``: each key through ``map_key`` (None drops it).
-
-    Raises:
-        ValueError: if two keys map to the same exported key.
-    """
-    renamed: dict[str, str] = {}
-    for key in keys:
-        target = map_key(model, key) if map_key is not None else key
-        if target is None:
-            continue
-        if target in renamed:
-            raise ValueError(f"map_exported_key({model!r}, ...) maps both {renamed[target]!r} "
-                             f"and {key!r} to {target!r}: each exported key must be unique")
-        renamed[target] = key
-    return renamed
+def _transformed(tensor: torch.Tensor, transform: TransformedKey) -> torch.Tensor:
+    """``transform``'s file tensor of the model's ``tensor``, sharded as it is where that
+    can be (a transpose of a DTensor is one), else whole on every rank: another function
+    runs on the gathered tensor (a collective over the ranks that shard it), and DCP writes
+    the replicated result once."""
+    if transform.transpose is not None:
+        return transform.file_tensor(tensor).contiguous()
+    if is_dtensor(tensor):
+        tensor = tensor.full_tensor()  # type: ignore[attr-defined]
+    return transform.file_tensor(tensor).contiguous()
 
 
 def export_live(models: Mapping[str, nn.Module], path: Path, format: ExportFormat,

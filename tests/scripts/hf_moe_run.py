@@ -1,9 +1,9 @@
 """Script: a tiny transformers MoE (Qwen3-MoE or Mixtral) with its MoE blocks replaced by
-``dream_trainer.nn.MoE``, loaded with ``init_weights_from`` from what ``save_pretrained``
-wrote, fine-tuned a few steps, and exported from inside the run (``export_weights`` to
-ROOT_DIR/live_<family>_<layout>); the final checkpoint is left in ROOT_DIR for
-``dream-trainer export``. Rank 0 saves, per layout and family, the logits after the load and
-at the end, and the file tensors each rank read.
+``dream_trainer.nn.MoE`` (or as transformers builds it, for the ``*_asis`` layouts), loaded
+with ``init_weights_from`` from what ``save_pretrained`` wrote, fine-tuned a few steps, and
+exported from inside the run (``export_weights`` to ROOT_DIR/live_<family>_<layout>); the
+final checkpoint is left in ROOT_DIR for ``dream-trainer export``. Rank 0 saves, per layout
+and family, the logits after the load and at the end, and the file tensors each rank read.
 
     torchrun --nproc_per_node=N hf_moe_run.py OUT ROOT_DIR LAYOUT[,LAYOUT] FAMILY=DIR ...
 """
@@ -34,7 +34,10 @@ SHAPE = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_atten
          "tie_word_embeddings": False}
 LAYOUTS = {"one": DeviceParameters.SINGLE_DEVICE(),
            "ep2": DeviceParameters(expert_parallel=2),  # 2 ranks: 2 of the 4 experts each
-           "fsdp": DeviceParameters.FSDP()}  # the stacked experts sharded on their first dim
+           "fsdp": DeviceParameters.FSDP(),  # the stacked experts sharded on their first dim
+           # The model as transformers builds it, its blocks not converted.
+           "one_asis": DeviceParameters.SINGLE_DEVICE(),
+           "fsdp_asis": DeviceParameters.FSDP()}
 
 
 def build(family: Family) -> nn.Module:
@@ -57,6 +60,8 @@ def save_pretrained(family: Family, path: Path) -> nn.Module:
 
 class MoEConfig(HFConfig, CheckpointConfigMixin):
     family: Family = "qwen3_moe"
+    convert: bool = True
+    """Replace the transformers blocks by ``MoE`` layers (False: train the model as it is)."""
 
 
 class MoERun(HFTrainer, CheckpointMixin):
@@ -69,7 +74,8 @@ class MoERun(HFTrainer, CheckpointMixin):
 
     def configure_models(self) -> None:
         self.model = build(self.config.family)
-        replace_hf_moe_blocks(self.model)
+        if self.config.convert:
+            replace_hf_moe_blocks(self.model)
 
     def post_setup(self) -> None:
         super().post_setup()
@@ -88,7 +94,8 @@ def run(family: Family, pretrained: Path, root: Path, layout: str,
     base = hf_config(device_parameters=LAYOUTS[layout], init_weights_from=pretrained, lr=0.5,
                      batch=batch)
     config = MoEConfig(**{**dict(base), "experiment": f"{family}_{layout}"}, family=family,
-                       checkpoint_parameters=CheckpointParameters(root_dir=root))
+                       checkpoint_parameters=CheckpointParameters(root_dir=root),
+                       convert=not layout.endswith("_asis"))
     trainer = MoERun(config)
     trainer.export_dir = root / f"live_{family}_{layout}"
     trainer.read = [] if read is None else read

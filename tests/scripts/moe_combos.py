@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -26,7 +27,7 @@ from dream_trainer.configs import DeviceParameters, TrainingParameters
 from dream_trainer.nn import MoE
 from dream_trainer.parallel.dtensor import is_dtensor
 from dream_trainer.parallel.names import canonical_name
-from tests.helpers.launch import save_on_rank_zero
+from tests.helpers.launch import init_results_group, save_on_rank_zero
 from tests.helpers.rotary_gpt import DIM, Block, GPTConfig, RotaryGPT, RotaryGPTTrainer
 from tests.scripts.context_runs import ACCUMULATION, GLOBAL_BATCH, Recorder
 from tests.scripts.layout_matrix import everyone
@@ -40,7 +41,14 @@ LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {
     "ep2_pp2": ({"expert_parallel": 2, "dp_shard": 2, "pipeline_parallel": 2}, 2),
     "ep2_hsdp": ({"expert_parallel": 2, "dp_shard": 2, "dp_replicate": 2}, 4),
     "ep2_cp2": ({"expert_parallel": 2, "dp_shard": 2, "context_parallel": 2}, 2),
+    # Only the second block is an MoE layer: the first pipeline stage holds none.
+    "one_half": ({}, 1),
+    "ep2_pp2_half": ({"expert_parallel": 2, "dp_shard": 2, "pipeline_parallel": 2}, 2),
+    # No MoE layer on any stage: refused on every rank, the same message.
+    "ep2_pp2_none": ({"expert_parallel": 2, "dp_shard": 2, "pipeline_parallel": 2}, 2),
 }
+MOE_BLOCKS = {"one_half": (1,), "ep2_pp2_half": (1,), "ep2_pp2_none": ()}
+"""The blocks that end in an MoE layer, where not every block does."""
 
 
 class MoEBlock(Block):
@@ -57,9 +65,11 @@ class MoEBlock(Block):
 
 
 class MoEGPT(RotaryGPT):
-    def __init__(self, layers: int = 2) -> None:
+    def __init__(self, layers: int = 2, moe_blocks: tuple[int, ...] | None = None) -> None:
         super().__init__(layers)
-        self.layers = nn.ModuleList(MoEBlock() for _ in range(layers))
+        self.layers = nn.ModuleList(
+            MoEBlock() if moe_blocks is None or index in moe_blocks else Block()
+            for index in range(layers))
 
 
 class MoEGPTTrainer(RotaryGPTTrainer):
@@ -67,7 +77,7 @@ class MoEGPTTrainer(RotaryGPTTrainer):
     every tensor-parallel rank, their experts split by expert parallelism."""
 
     def configure_models(self) -> None:
-        self.model = MoEGPT(self.config.n_layers)
+        self.model = MoEGPT(self.config.n_layers, MOE_BLOCKS.get(self.config.experiment))
 
     def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
@@ -99,7 +109,7 @@ class MoERecorder(Recorder):
         for part in everyone(biases):
             self.biases.update(part)
         moes = [module for module in model.modules() if isinstance(module, MoE)]
-        w1 = moes[0].experts.w1
+        w1 = moes[0].experts.w1 if moes else None  # None: this rank's stage holds none
         self.held = {"shape": tuple(w1.to_local().shape), "mesh": w1.device_mesh.mesh_dim_names,
                      "ep_group": moes[0].ep_group is not None} if is_dtensor(w1) else None
 
@@ -121,6 +131,12 @@ def run(name: str) -> dict[str, Any]:
     recorder = MoERecorder()
     trainer.callbacks.append(recorder)
     trainer.callbacks.attach(trainer)
+    if name == "ep2_pp2_none":
+        try:
+            trainer.fit()
+        except ValueError as error:
+            return {"error": str(error)}
+        return {"error": None}
     trainer.fit()
     return {"initial": recorder.initial, "weights": recorder.weights,
             "biases": recorder.biases, "losses": recorder.losses,
@@ -129,7 +145,18 @@ def run(name: str) -> dict[str, Any]:
 
 
 def main(out: str, names: list[str]) -> None:
-    save_on_rank_zero({name: run(name) for name in names}, out, "moe_combos")
+    results = {name: run(name) for name in names}
+    # Each rank's own refusal, gathered over the results group (rank 0's alone would not show
+    # that every rank raised it).
+    errors = [name for name in names if "error" in results[name]]
+    if errors:
+        init_results_group("moe_combos_errors")
+        for name in errors:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, results[name]["error"])
+            results[name] = {"errors": gathered}
+        dist.destroy_process_group()
+    save_on_rank_zero(results, out, "moe_combos")
 
 
 if __name__ == "__main__":
