@@ -175,6 +175,19 @@ class ObjectStorage(Storage):
     def lock(self, directory: ObjectPath) -> RunLockLike:
         return ObjectLock(self, directory)
 
+    def access_problem(self, path: ObjectPath, probe: str | None = None) -> str | None:
+        """See ``Storage.access_problem``: a listing of ``path`` (one request), and with a
+        ``probe`` a PUT and a DELETE of an empty object, so that a missing bucket, missing
+        credentials or a read-only key fail before a run builds its models."""
+        try:
+            self.list_dir(path)  # raises for a missing bucket, unlike isdir
+            if probe is not None:
+                self.fs.pipe_file((path / probe).url, b"")
+                self.fs.rm_file((path / probe).url)
+        except (FileNotFoundError, *self.failures) as exc:
+            return self.explain(path, exc)
+        return None
+
     def advice(self, path: ObjectPath, exc: BaseException) -> str | None:
         """What ``exc`` from an operation on ``path`` means and the fix, or None."""
         bucket = path.url.split("://", 1)[1].split("/", 1)[0]

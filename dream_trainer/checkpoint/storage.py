@@ -160,6 +160,15 @@ class Storage(ABC):
         """Free space where ``path`` is written, where the storage has such a limit."""
         return None
 
+    def access_problem(self, path: Any, probe: str | None = None) -> str | None:
+        """What keeps this process from using the directory ``path`` (a missing bucket, no
+        credentials, access denied, an unreachable endpoint), naming the fix; None when
+        nothing does, or when only the operations themselves can tell (a local filesystem's
+        errors name the path). It reads ``path``'s listing; with a ``probe`` name it also
+        writes an empty object of that name in ``path`` and deletes it. A directory that
+        does not exist yet is no problem."""
+        return None
+
     def advice(self, path: Any, exc: BaseException) -> str | None:
         """What ``exc``, raised by an operation on ``path``, means and the fix, where the
         storage knows more than the error says."""

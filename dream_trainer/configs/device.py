@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Annotated, Any, Literal
@@ -151,8 +152,9 @@ def degree_problem(params: DeviceParameters, degrees: Mapping[str, Degree]) -> s
     pp, dp_replicate, dp_shard, cp, tp = (degrees[name] for name in (
         "pipeline_parallel", "dp_replicate", "dp_shard", "context_parallel", "tensor_parallel"))
     if params.cpu_offload and dp_shard == 1 and cp == 1:
-        return ("cpu_offload=True needs FSDP2 sharding: set dp_shard > 1 (or 'auto'), or turn "
-                "cpu_offload off")
+        return ("cpu_offload=True needs FSDP2 sharding: set dp_shard > 1 (or 'auto' on several "
+                "ranks) or context_parallel > 1 (FSDP2 shards over dp_shard x context_parallel), "
+                "or turn cpu_offload off")
     if params.loss_parallel and tp == 1:
         return ("loss_parallel=True computes the loss over vocabulary-sharded logits, which "
                 "needs tensor_parallel > 1: set tensor_parallel, or turn loss_parallel off")
@@ -167,14 +169,17 @@ def degree_problem(params: DeviceParameters, degrees: Mapping[str, Degree]) -> s
         problem = pipeline_problem(params.pipeline_schedule, pp, *pipeline_layout(params, pp))
         if problem is not None:
             return problem
-    return _expert_parallel_problem(params.expert_parallel, dp_shard, cp)
+    return _expert_parallel_problem(params, degrees)
 
 
-def _expert_parallel_problem(ep: int, dp_shard: Degree, cp: Degree) -> str | None:
-    """Why ``expert_parallel=ep`` cannot borrow its ranks from these degrees, or None. It
+def _expert_parallel_problem(params: DeviceParameters,
+                             degrees: Mapping[str, Degree]) -> str | None:
+    """Why ``expert_parallel`` cannot borrow its ranks from these degrees, or None. It
     borrows every context-parallel rank (their tokens differ, as data-parallel ranks' do,
     and torchtitan does the same) and ``ep / cp`` of the ``dp_shard`` ranks; tensor- and
     pipeline-parallel ranks and replicas each hold all of an ``ep`` group's experts."""
+    ep, dp_shard, cp = (params.expert_parallel, degrees["dp_shard"],
+                        degrees["context_parallel"])
     if ep == 1 or cp == "auto":
         return None
     if ep % cp:
@@ -183,12 +188,20 @@ def _expert_parallel_problem(ep: int, dp_shard: Degree, cp: Degree) -> str | Non
                 f"dp_shard, so expert_parallel must be a multiple of {cp}: set it to one, or "
                 "change context_parallel")
     lent = ep // cp
-    if isinstance(dp_shard, int) and dp_shard % lent:
-        source = "dp_shard" if cp == 1 else f"dp_shard (and context_parallel={cp})"
-        return (f"expert_parallel={ep} borrows its ranks from {source}, so dp_shard must be a "
-                f"multiple of {lent}, got dp_shard={dp_shard!r}: set dp_shard to a multiple of "
-                f"{lent} or 'auto'")
-    return None
+    if not isinstance(dp_shard, int) or dp_shard % lent == 0:
+        return None
+    source = "dp_shard" if cp == 1 else f"dp_shard (and context_parallel={cp})"
+    problem = (f"expert_parallel={ep} borrows its ranks from {source}, so dp_shard must be a "
+               f"multiple of {lent}, got dp_shard={dp_shard!r}")
+    if params.dp_shard != "auto":
+        return f"{problem}: set dp_shard to a multiple of {lent} or 'auto'"
+    # dp_shard='auto' took the ranks the world size leaves: only another world size or
+    # another expert_parallel can change it.
+    others = math.prod(int(degree) for name, degree in degrees.items() if name != "dp_shard")
+    divisors = [cp * d for d in range(1, dp_shard + 1) if dp_shard % d == 0]
+    return (f"{problem}: dp_shard='auto' takes the ranks the other degrees leave, so launch "
+            f"a multiple of {others * lent} processes, or set expert_parallel to one of "
+            f"{divisors}")
 
 
 class DeviceParameters(ConfigModel):
@@ -238,8 +251,10 @@ class DeviceParameters(ConfigModel):
     replicas each hold all the experts of their ``ep`` group (the experts are not
     tensor-parallel). When neither ``dp_replicate`` nor ``dp_shard`` is given, ``dp_shard`` is
     ``"auto"``."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """``"auto"`` uses CUDA when available, else the CPU."""
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    """``"auto"`` uses CUDA when available, else MPS (Apple silicon) when torch reports it
+    and the run has one process, else the CPU. ``"mps"`` runs one process only: gloo, the
+    backend of processes without CUDA, cannot move MPS tensors between them."""
     param_dtype: TorchDType = torch.float32
     """dtype of parameters in forward and backward (mixed precision when not float32)."""
     reduce_dtype: TorchDType = torch.float32
@@ -249,7 +264,8 @@ class DeviceParameters(ConfigModel):
     checkpoint_activations: bool = False
     """Recompute activations in backward instead of storing them."""
     cpu_offload: bool = False
-    """Keep FSDP2-sharded parameters and optimizer state on the CPU (needs ``dp_shard > 1``)."""
+    """Keep FSDP2-sharded parameters, gradients and optimizer state on the CPU. FSDP2 applies
+    when ``dp_shard x context_parallel > 1``, so it needs one of them above 1."""
     init_timeout: timedelta = timedelta(minutes=10)
     """Collective timeout while the process group starts up and the model is set up."""
     train_timeout: timedelta = timedelta(minutes=5)

@@ -15,9 +15,11 @@ from pydantic import Field
 
 from dream_trainer.checkpoint.agreement import (check_shapes, commit, config_changes, failures,
                                                 find_problem, gather, saved_config, take_lock)
+from dream_trainer.checkpoint.early_checks import check_checkpoint_storage
 from dream_trainer.checkpoint.layout import (CONFIG, INFO, METADATA, CheckpointError,
                                              CheckpointInfo, complete_checkpoints, is_complete,
                                              step_dir, step_dirs)
+from dream_trainer.checkpoint.resume_report import ResumePosition
 from dream_trainer.checkpoint.retention import rotate
 from dream_trainer.checkpoint.rng import resized_streams, set_rng_state
 from dream_trainer.checkpoint.state import SHARED, TrainingState, check_shared, digest
@@ -63,6 +65,8 @@ class CheckpointMixin(AbstractTrainer):
 
     config_mixin = CheckpointConfigMixin
     _epoch_ends_after_step: bool  # the loop's (BaseTrainer)
+    _start_batch: int  # the micro-batch a resumed epoch starts at (LoopState)
+    train_steps_per_epoch: int  # planned by the loop before post_setup (BaseTrainer)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -95,6 +99,13 @@ class CheckpointMixin(AbstractTrainer):
         return root / config.project / config.group / config.experiment / "checkpoints"
 
     # -- phases ----------------------------------------------------------------------------
+    @runs_on("pre_configure")
+    def _check_storage(self) -> None:
+        # Before the models are built: a missing bucket found after that costs their setup.
+        if self.checkpoint_parameters.enabled:
+            check_checkpoint_storage(self.checkpoint_dir, self.checkpoint_parameters.resume,
+                                     self.world)
+
     @runs_on("post_setup")
     def _checkpoint_post_setup(self) -> None:
         # DCP's own collectives run on a separate gloo group: an async save in a background
@@ -444,7 +455,11 @@ class CheckpointMixin(AbstractTrainer):
         self._rng_mid_epoch = state.resumed_mid_epoch
         self._last_saved_step = self.global_step
         self._log_config_diff(config)
-        logger.info("resumed from %s at global step %d", path, self.global_step)
+        if self.world.is_rank_zero:
+            params = self.config.training_parameters  # type: ignore[attr-defined]
+            ResumePosition(path, self.global_step, self.current_epoch, self._start_batch,
+                           self.train_steps_per_epoch, params.gradient_accumulation_steps,
+                           params.n_epochs, params.max_steps).log()
 
     def _restore_rng(self) -> None:
         assert self._pending_rng is not None

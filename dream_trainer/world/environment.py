@@ -26,6 +26,9 @@ class LaunchEnvironment:
         backend: The process-group backend to create; ``None`` picks gloo on the CPU and
             nccl on CUDA. ``"fake"`` simulates this rank of a larger job in one process:
             collectives return at once and move no data (``dream-trainer plan``).
+        launcher_pid: The process id of torchrun's agent, this process's parent, when the
+            agent started it (``TORCHELASTIC_RUN_ID`` is set); the world ends this process
+            when that parent is gone (``world.launcher_watch``). None otherwise.
     """
 
     rank: int = 0
@@ -35,6 +38,7 @@ class LaunchEnvironment:
     launched: bool = False
     restart_count: int = 0
     backend: str | None = None
+    launcher_pid: int | None = None
 
     @classmethod
     def current(cls) -> LaunchEnvironment:
@@ -79,7 +83,12 @@ class LaunchEnvironment:
             ) from exc
         if not 0 <= rank < world_size:
             raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
-        return cls(rank, local_rank, world_size, local_world_size, True, restart_count)
+        # torchrun's agent starts its workers itself (and sets TORCHELASTIC_RUN_ID), so it
+        # is their parent; processes other launchers start (srun, a script's own
+        # RANK/WORLD_SIZE) are not watched: their parent may not be the launcher.
+        launcher_pid = os.getppid() if "TORCHELASTIC_RUN_ID" in env else None
+        return cls(rank, local_rank, world_size, local_world_size, True, restart_count,
+                   launcher_pid=launcher_pid)
 
 
 FLIGHT_RECORDER_SIZE = "TORCH_FR_BUFFER_SIZE"

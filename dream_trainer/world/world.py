@@ -16,6 +16,7 @@ from dream_trainer.configs.device import DeviceParameters
 from dream_trainer.world import agree
 from dream_trainer.world.dims import MeshAxis, ParallelDims
 from dream_trainer.world.environment import LaunchEnvironment, set_flight_recorder_entries
+from dream_trainer.world.launcher_watch import LauncherWatch
 from dream_trainer.world.materialization import Materialization
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ class DistributedWorld:
 
     Raises:
         MeshMismatchError: if the degrees cannot multiply to the world size.
-        ValueError: if ``device="cuda"`` is asked for without a CUDA device.
+        ValueError: if ``device="cuda"`` or ``"mps"`` is asked for without such a device,
+            or ``"mps"`` in a world of several processes.
     """
 
     def __init__(self, device_parameters: DeviceParameters,
@@ -51,7 +53,8 @@ class DistributedWorld:
         self.env = env if env is not None else LaunchEnvironment.current()
         self.device_parameters = device_parameters
         self.dims = ParallelDims.resolve(device_parameters, self.env.world_size)
-        self.device = self._pick_device(device_parameters.device, self.env.local_rank)
+        self.device = pick_device(device_parameters.device, self.env.local_rank,
+                                  self.env.world_size)
         self.mesh: DeviceMesh | None = None
         self.materialization = Materialization()
         """How setup creates model tensors: with values, unless a tool chose otherwise
@@ -63,14 +66,8 @@ class DistributedWorld:
         self._flat_meshes: dict[MeshAxis, DeviceMesh] = {}
         self._owns_process_group = False
         self._anomaly_before: bool | None = None
-
-    @staticmethod
-    def _pick_device(choice: str, local_rank: int) -> torch.device:
-        if choice == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but no CUDA device is available: use 'auto' or 'cpu'")
-        if choice != "cpu" and torch.cuda.is_available():
-            return torch.device("cuda", local_rank % torch.cuda.device_count())
-        return torch.device("cpu")
+        self._launcher_watch = None if self.env.launcher_pid is None \
+            else LauncherWatch(self.env.launcher_pid, self.env.rank)
 
     # -- identity ---------------------------------------------------------------------------
     @property
@@ -210,8 +207,12 @@ class DistributedWorld:
         A process group that already exists is reused and left alone by ``shutdown()``.
         Without a launcher, a one-process group on an in-memory store is created, so that
         collectives and meshes behave the same in a plain ``python train.py``. With
-        ``detect_anomaly``, autograd anomaly detection is on until ``shutdown()``.
+        ``detect_anomaly``, autograd anomaly detection is on until ``shutdown()``. Under
+        torchrun, this process ends by itself within about a second if torchrun dies
+        (``LauncherWatch``), until ``shutdown()``.
         """
+        if self._launcher_watch is not None:
+            self._launcher_watch.start()  # first: a rendezvous may wait for a dead launcher
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.device_parameters.detect_anomaly and self._anomaly_before is None:
@@ -327,7 +328,8 @@ class DistributedWorld:
         agree.barrier()
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Destroy the process group created by ``launch()``; restore anomaly detection.
+        """Destroy the process group created by ``launch()``; restore anomaly detection; stop
+        watching the launcher.
 
         Args:
             graceful: When True, all ranks meet at a barrier first (an abrupt gloo teardown
@@ -341,15 +343,20 @@ class DistributedWorld:
         if self._anomaly_before is not None:
             torch.autograd.set_detect_anomaly(self._anomaly_before)
             self._anomaly_before = None
-        if not (self._owns_process_group and agree.is_launched()):
-            return
         try:
-            if graceful:
-                self.barrier()
-                _let_backend_threads_settle()
+            if not (self._owns_process_group and agree.is_launched()):
+                return
+            try:
+                if graceful:
+                    self.barrier()
+                    _let_backend_threads_settle()
+            finally:
+                dist.destroy_process_group()
+                self._owns_process_group = False
         finally:
-            dist.destroy_process_group()
-            self._owns_process_group = False
+            # Last: a launcher that dies while the group is torn down still ends the process.
+            if self._launcher_watch is not None:
+                self._launcher_watch.stop()
 
     def __repr__(self) -> str:
         return (f"DistributedWorld(rank={self.rank}, world_size={self.world_size}, "
@@ -372,6 +379,46 @@ def _let_backend_threads_settle() -> None:
     process aborts ("terminate called without an active exception") after its work is done.
     """
     time.sleep(_SETTLE_SECONDS)
+
+
+def mps_available() -> bool:
+    """Whether torch reports an MPS device (Apple silicon, a torch built with MPS)."""
+    return torch.backends.mps.is_available()
+
+
+def pick_device(choice: str, local_rank: int, world_size: int) -> torch.device:
+    """The device of ``DeviceParameters.device`` on this machine.
+
+    ``"auto"`` is CUDA device ``local_rank % device_count`` when CUDA is available, else MPS
+    when torch reports it and the world has one process, else the CPU.
+
+    Raises:
+        ValueError: naming the fix, if ``"cuda"`` or ``"mps"`` is not available, or
+            ``"mps"`` is asked for in a world of several processes.
+    """
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available: use 'auto' or 'cpu'")
+    if choice == "mps":
+        if not mps_available():
+            raise ValueError("device='mps' but torch reports no MPS device "
+                             "(torch.backends.mps.is_available() is False: it needs Apple "
+                             "silicon and a torch built with MPS): use 'auto' or 'cpu'")
+        if world_size > 1:
+            raise ValueError(_MPS_ONE_PROCESS.format(world_size=world_size))
+        return torch.device("mps")
+    if choice != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if choice == "auto" and world_size == 1 and mps_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+# gloo, the one backend torch has for processes without CUDA, moves CPU (and CUDA) tensors
+# only, so ranks on MPS could not reduce gradients; a Mac has one MPS device anyway.
+_MPS_ONE_PROCESS = ("device='mps' runs one process, but the world has {world_size}: gloo "
+                    "cannot move MPS tensors between processes. Run `python train.py` "
+                    "without torchrun, or use device='cpu' (or 'auto', which picks the CPU "
+                    "for several processes)")
 
 
 def _group_of(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:

@@ -218,8 +218,9 @@ def test_expert_parallel_borrows_from_dp_shard_without_changing_the_world() -> N
     ({"expert_parallel": 2, "dp_shard": 1, "context_parallel": 4},
      {"expert_parallel": 2, "dp_shard": 1, "context_parallel": "auto"}, 4,
      "context_parallel='auto' is 4"),
-    ({"expert_parallel": 2, "dp_shard": 3},
-     {"expert_parallel": 2, "dp_shard": "auto"}, 3, "dp_shard='auto' is 3"),
+    # (An expert_parallel that dp_shard='auto' cannot lend to is refused by the same rule, but
+    # the fix differs, another world size or expert_parallel: tests/configs/
+    # test_device_messages.py.)
 ])
 def test_an_auto_degree_is_refused_what_the_fixed_degree_is_with_the_same_message(
         fixed: dict[str, Any], auto: dict[str, Any], world_size: int, resolved: str) -> None:

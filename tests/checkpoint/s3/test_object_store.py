@@ -147,7 +147,10 @@ def test_missing_bucket_is_named_with_the_fix(s3: S3Server) -> None:
     with pytest.raises(CheckpointError) as error:
         train("s3://no-such-bucket/runs", every_n_steps=4, resume=None)
     message = str(error.value)
-    assert "s3://no-such-bucket/runs/ckpt/tests/run/checkpoints/.lock" in message
+    # Found before the models are built (tests/checkpoint/s3/test_early_checks.py).
+    assert message.startswith("checkpoint_parameters.root_dir cannot hold this run's "
+                              "checkpoints: the bucket 'no-such-bucket' of "
+                              "s3://no-such-bucket/runs/ckpt/tests/run/checkpoints")
     assert "the bucket 'no-such-bucket'" in message and "does not exist" in message
     assert f"the endpoint {s3.endpoint} (AWS_ENDPOINT_URL)" in message
     assert "create it, or correct the URL" in message
