@@ -27,6 +27,7 @@ from dream_trainer.trainer.phases import runs_on
 from dream_trainer.trainer.schedulers import step_with_metric, takes_metric
 from dream_trainer.trainer.validation import map_loaders, named_sets
 from dream_trainer.weights.hf import DEFAULT_MAX_SHARD_BYTES, ExportFormat
+from dream_trainer.weights.keys import TransformedKey
 from dream_trainer.world.agree import agree_any
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class SetupMixin(ParallelizeModels):
        styles); then ``apply_tensor_parallel(tp_mesh)`` when ``tensor_parallel > 1``;
     2. ``apply_activation_checkpointing()`` when ``checkpoint_activations``;
     3. ``apply_compile()`` when ``compile_model``;
-    4. ``apply_fully_shard(config)`` when ``dp_shard > 1``;
+    4. ``apply_fully_shard(config)`` when ``dp_shard x context_parallel > 1``;
     5. materialization: ``to_empty`` on the device, every submodule's ``reset_parameters()``,
        then ``init_weights()``; a tensor left on meta or non-finite is an error naming it.
        Random initializers of sharded (DTensor) parameters draw the full tensor and keep
@@ -140,19 +141,22 @@ class SetupMixin(ParallelizeModels):
         ``{name: loader}`` for several validation sets (validated in turn, their results
         and metrics prefixed ``name/``)."""
 
-    def map_pretrained_key(self, model_name: str, key: str) -> str | None:
+    def map_pretrained_key(self, model_name: str, key: str) -> str | TransformedKey | None:
         """The model's state-dict key for ``key`` of ``init_weights_from``'s files.
 
-        Override to rename (``"transformer.h.0.attn"`` -> ``"layers.0.attn"``) or to skip a
-        key (return None: a head the new task replaces). The default keeps every key.
+        Override to rename (``"transformer.h.0.attn"`` -> ``"layers.0.attn"``), to skip a
+        key (return None: a head the new task replaces), or to change the tensor's form on
+        the way (return ``dream_trainer.weights.TransformedKey(model_key, transpose=(1, 2))``,
+        or one with ``to_model``/``to_file`` functions). The default keeps every key.
         """
         return key
 
-    def map_exported_key(self, model_name: str, key: str) -> str | None:
+    def map_exported_key(self, model_name: str, key: str) -> str | TransformedKey | None:
         """The key under which ``export_weights(format="hf")`` writes the model's ``key``.
 
         The inverse of ``map_pretrained_key``: override both together, so that an export
-        loads where the pretrained weights came from. Return None to leave a key out.
+        loads where the pretrained weights came from. Return None to leave a key out, or a
+        ``TransformedKey`` naming the file's key (its ``to_file`` is applied).
         """
         return key
 
@@ -201,6 +205,15 @@ class SetupMixin(ParallelizeModels):
                              dtype, max_shard_bytes, overwrite)
 
     # -- phases (run whether or not user hooks call super()) ----------------------------------
+    @runs_on("pre_configure")
+    def _check_weights_sources(self) -> None:
+        # Before the models are built: an unreadable bucket found after that costs their setup.
+        source = getattr(self.config, "init_weights_from", None)
+        if source is not None:
+            from dream_trainer.checkpoint.early_checks import check_weights_sources
+
+            check_weights_sources(source, self.world)
+
     @runs_on("teardown")
     def _unwrap_models(self) -> None:
         """Unwrap DDP models, so that ``self.model`` is the plain module after ``fit()``.
