@@ -12,7 +12,8 @@ from tests.helpers.launch import REPO, child_env
 
 SNAPSHOT = {
     "dream_trainer": ["AbstractTrainer", "AbstractTrainerConfig", "BaseTrainer",
-                      "BaseTrainerConfig", "DreamTrainer", "DreamTrainerConfig", "StopTraining"],
+                      "BaseTrainerConfig", "DreamTrainer", "DreamTrainerConfig", "History",
+                      "StopTraining"],
     "dream_trainer.configs": ["CheckpointParameters", "ConfigModel", "apply_cli_overrides", "DeviceParameters",
                               "FaultToleranceParameters", "LoggingParameters",
                               "TrainingParameters"],
@@ -30,7 +31,9 @@ SNAPSHOT = {
                                "find_blocks", "split_model", "stage_ids"],
     "dream_trainer.data": ["ResumableSampler", "ShardedStream", "ValidationBatches"],
     "dream_trainer.nn": ["GroupedExperts", "MoE", "active_parameters", "moe_from_hf",
-                         "replace_hf_moe_blocks"],
+                         "moe_from_torchtitan", "replace_hf_moe_blocks",
+                         "replace_torchtitan_moe_blocks"],
+    "dream_trainer.weights": ["TransformedKey", "torchtitan_moe_key"],
     "dream_trainer.callbacks": ["EMA", "HOOK_NAMES", "Callback", "CallbackCollection",
                                 "EarlyStopping", "GarbageCollection", "HangWatchdog",
                                 "Histograms", "LRMonitor", "MediaLogger", "ModelSummary",
@@ -43,7 +46,8 @@ SNAPSHOT = {
 
 TRAINING_FIELDS = ["n_epochs", "train_batch_size", "val_batch_size",
                    "gradient_accumulation_steps", "train_steps_per_epoch", "val_steps_per_epoch",
-                   "val_every_n_steps", "num_sanity_val_steps", "gradient_clip_val", "max_steps"]
+                   "val_every_n_steps", "num_sanity_val_steps", "gradient_clip_val", "max_steps",
+                   "scheduler_interval"]
 DEVICE_FIELDS = ["dp_replicate", "dp_shard", "context_parallel", "context_parallel_seq_dim",
                  "context_parallel_load_balance", "tensor_parallel",
                  "pipeline_parallel", "expert_parallel", "device", "param_dtype", "reduce_dtype", "compile_model",
@@ -63,7 +67,7 @@ def test_all_matches_the_snapshot() -> None:
 def test_config_fields_match_the_snapshot() -> None:
     assert list(TrainingParameters.model_fields) == TRAINING_FIELDS
     assert list(DeviceParameters.model_fields) == DEVICE_FIELDS
-    assert len(HOOK_NAMES) == 20
+    assert len(HOOK_NAMES) == 21
 
 
 def test_import_pulls_in_no_optional_extra() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 
+from typing import Literal
+
 from pydantic import NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from dream_trainer.configs.base import ConfigModel
@@ -34,6 +36,11 @@ class TrainingParameters(ConfigModel):
     """Clip the total gradient norm to this value in ``step()``; ``None`` disables clipping."""
     max_steps: PositiveInt | None = None
     """Stop after this many optimizer steps, even mid-epoch."""
+    scheduler_interval: Literal["step", "epoch"] = "step"
+    """When the configured schedulers step: ``"step"`` in ``step()``, after each optimizer
+    step; ``"epoch"`` once after each training epoch (before its validation), so that a
+    schedule counts epochs. A scheduler passed to ``step()`` explicitly steps there either
+    way; schedulers stepped by a metric (``ReduceLROnPlateau``) step after validation."""
 
     @model_validator(mode="after")
     def _budget(self) -> TrainingParameters:

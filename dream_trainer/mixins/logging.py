@@ -11,6 +11,7 @@ import torch
 
 from dream_trainer.configs.logging import LoggingConfigMixin, LoggingParameters
 from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.trainer.history import floats
 from dream_trainer.trainer.phases import runs_on
 from dream_trainer.utils.media import (Histogram, ImagesLike, MediaFiles, check_images,
                                        check_table, check_video, plain, to_uint8_images,
@@ -56,7 +57,10 @@ class LoggerMixin(AbstractTrainer):
         ``global_step`` is then the step the run continues from."""
 
     def log_dict(self, values: Mapping[str, float], step: int | None = None) -> None:
-        """Record scalar ``values`` at ``step`` (the global step when None)."""
+        """Record scalar ``values`` at ``step`` (the global step when None). Here: fire the
+        ``on_log`` hook, so that every callback sees every logged dict."""
+        if self._logging:
+            self._fire("on_log", values, self.global_step if step is None else step)
 
     def log_config(self, config: dict[str, Any]) -> None:
         """Record the run's configuration."""
@@ -133,9 +137,10 @@ class LoggerMixin(AbstractTrainer):
         # On every rank: the step's value is reduced over the ranks (a collective) on the
         # steps that are logged, and only those.
         values = self.reduce_step_result()
+        self._record_step(values, self.global_step)
         if not self._logging:
             return
-        local = _scalars(result)
+        local = floats(result)
         values.update({key: local[key] for key in params.unreduced_keys if key in local})
         values["trainer/global_step"] = float(self.global_step)
         values["trainer/epoch"] = float(self.current_epoch)
@@ -145,13 +150,13 @@ class LoggerMixin(AbstractTrainer):
     def _log_train_epoch(self, result: dict[str, Any]) -> None:
         # A run resumed from its epoch's last step ends that epoch with no batch: no means.
         if self._logging and result:
-            self.log_dict({f"train_epoch/{k}": v for k, v in _scalars(result).items()},
+            self.log_dict({f"train_epoch/{k}": v for k, v in floats(result).items()},
                           self.global_step)
 
     @runs_on("post_val_epoch", after_bases=True)
     def _log_val_epoch(self, result: dict[str, Any]) -> None:
         if self._logging and not self.sanity_checking:
-            self.log_dict(_scalars(result), self.global_step)
+            self.log_dict(floats(result), self.global_step)
 
     @runs_on("post_fit", after_bases=True)
     def _finish_after_fit(self) -> None:
@@ -162,17 +167,6 @@ class LoggerMixin(AbstractTrainer):
     def _finish_after_exception(self, exception: BaseException) -> None:
         if self._logging:
             self.finish()
-
-
-def _scalars(result: Mapping[str, Any]) -> dict[str, float]:
-    """The one-element tensors and numbers of a result, as floats (a host sync)."""
-    values = {}
-    for key, value in result.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            values[key] = float(value.detach())
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            values[key] = float(value)
-    return values
 
 
 class JSONLoggerConfigMixin(LoggingConfigMixin):

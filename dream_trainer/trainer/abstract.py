@@ -17,6 +17,7 @@ from dream_trainer.configs.device import DeviceParameters
 from dream_trainer.errors import StopTraining
 from dream_trainer.parallel.layout import Layout
 from dream_trainer.trainer.callback_collection import CallbackCollection
+from dream_trainer.trainer.history import History
 from dream_trainer.trainer.hooks import TrainerHooks
 from dream_trainer.trainer.phases import chain_base, run_phase_to_the_end
 from dream_trainer.utils.paths import component_problem
@@ -101,8 +102,9 @@ class AbstractTrainer(TrainerHooks, ABC):
 
     # -- phases --------------------------------------------------------------------------
     @abstractmethod
-    def fit(self) -> None:
-        """Run the whole lifecycle: launch, configure, setup, train, teardown."""
+    def fit(self) -> History:
+        """Run the whole lifecycle: launch, configure, setup, train, teardown; return the
+        run's history."""
 
     @abstractmethod
     def build_models(self) -> None:

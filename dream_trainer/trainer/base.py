@@ -19,6 +19,7 @@ from dream_trainer.trainer.callback_collection import CallbackCollection
 from dream_trainer.trainer.config import BaseTrainerConfig
 from dream_trainer.trainer.dispatch import HookDispatch
 from dream_trainer.trainer.epoch_plan import plan_train_steps
+from dream_trainer.trainer.history import History, RecordsHistory
 from dream_trainer.trainer.item_weighting import ItemWeighting
 from dream_trainer.trainer.loop_state import LoopState
 from dream_trainer.trainer.phases import call_through, check_config_mixins, runs_on
@@ -33,7 +34,7 @@ from dream_trainer.world.world import DistributedWorld
 logger = logging.getLogger(__name__)
 
 
-class BaseTrainer(HookDispatch, StepAPI, ValidationLoop, LoopState):
+class BaseTrainer(HookDispatch, StepAPI, ValidationLoop, LoopState, RecordsHistory):
     """The training loop: epochs, micro-batches, accumulation, validation and callbacks.
 
     Subclasses provide models, optimizers and data (``SetupMixin``) and the two steps.
@@ -72,6 +73,7 @@ class BaseTrainer(HookDispatch, StepAPI, ValidationLoop, LoopState):
         self.global_step = 0
         self.local_batches = 0
         self.current_epoch = 0
+        self._history = History()
         self._batch_idx = 0
         self._train_steps_per_epoch = 0
         # Where the current epoch stands, and where a resumed run starts (see state_dict).
@@ -95,8 +97,11 @@ class BaseTrainer(HookDispatch, StepAPI, ValidationLoop, LoopState):
         self.callbacks.attach(self)
 
     # -- the lifecycle -----------------------------------------------------------------------
-    def fit(self) -> None:
+    def fit(self) -> History:
         """Launch, configure, set up, train; always tear the process group down.
+
+        Returns:
+            The run's ``History``: the values logged by step and epoch, and the final step.
 
         Raises:
             Exception: whatever a phase raised, after ``on_exception`` hooks ran and the
@@ -115,6 +120,7 @@ class BaseTrainer(HookDispatch, StepAPI, ValidationLoop, LoopState):
                 call_through(self, "teardown")
             finally:
                 self.world.shutdown(graceful=completed)
+        return self._finish_history()
 
     def set_up(self, materialization: Materialization | None = None) -> None:
         """Launch, configure and set up exactly as ``fit()`` does before training.

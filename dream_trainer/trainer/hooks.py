@@ -21,12 +21,14 @@
         post_epoch
     post_fit
     on_exception (instead of the rest, when fit() fails)
+    on_log (whenever a logger mixin logs a dict of values, on global rank 0)
 
 Both the trainer (as no-op methods a subclass may override) and every ``Callback`` receive them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -100,6 +102,11 @@ class TrainerHooks:
 
     def on_exception(self, exception: BaseException) -> None:
         """When ``fit()`` raises, before the process group is torn down."""
+
+    def on_log(self, values: Mapping[str, float], step: int) -> None:
+        """Each time the trainer logs scalar ``values`` at ``step``: on global rank 0, where
+        loggers write, for every ``log_dict`` (training steps, epoch means, validation
+        results, learning rates, a user's own). Only trainers with a logger mixin log."""
 
 
 HOOK_NAMES: tuple[str, ...] = tuple(

@@ -16,6 +16,7 @@ from dream_trainer.parallel.pipeline_schedule import LossFn
 from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.trainer.item_weighting import ItemWeighting
+from dream_trainer.trainer.phases import runs_on
 from dream_trainer.trainer.schedulers import takes_metric
 from dream_trainer.trainer.step_stages import StepPoints, UpdateVote
 from dream_trainer.trainer.validation import check_result
@@ -231,6 +232,16 @@ class StepAPI(AbstractTrainer):
         self._fire("post_optimizer_step", model, optimizer)
         return grad_norm
 
+    @runs_on("post_train_epoch")
+    def _step_schedulers_per_epoch(self, result: dict[str, Any]) -> None:
+        """``scheduler_interval="epoch"``: each configured scheduler (but those stepped by a
+        metric) steps once, after the epoch's last optimizer step."""
+        if self.config.training_parameters.scheduler_interval != "epoch":
+            return
+        for scheduler in self.named_schedulers().values():
+            if not takes_metric(scheduler):
+                scheduler.step()
+
     def _declare_step_stages(self) -> None:
         """The step's own actions and voters, only those the run needs, so that what is off
         costs nothing per step (a mixin or callback adds its own the same way:
@@ -330,6 +341,8 @@ class StepAPI(AbstractTrainer):
             self.precision.step(optimizer)
 
     def _scheduler_for(self, optimizer: torch.optim.Optimizer) -> LRScheduler | None:
+        if self.config.training_parameters.scheduler_interval == "epoch":
+            return None  # stepped by _step_schedulers_per_epoch
         for scheduler in self.named_schedulers().values():
             if scheduler.optimizer is optimizer and not takes_metric(scheduler):
                 return scheduler

@@ -16,7 +16,7 @@ CONTRACT_HOOKS = (
     "pre_epoch", "pre_train_epoch", "pre_train_batch", "post_train_batch",
     "pre_optimizer_step", "post_optimizer_step", "post_train_epoch", "pre_val_epoch",
     "pre_val_batch", "post_val_batch", "post_val_epoch", "post_epoch", "post_fit",
-    "on_exception",
+    "on_exception", "on_log",
 )
 
 
