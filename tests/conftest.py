@@ -14,6 +14,18 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 
 torch.set_num_threads(1)
 
+# Inductor's on-disk cache does not key its compiled kernels by ATen's CPU capability: a
+# suite run under ATEN_CPU_CAPABILITY=default after one under avx2 (or the machine's own)
+# reused kernels built for the other and failed to compile or trained to NaN. A run that
+# sets the capability gets a cache of its own (its launched ranks inherit it).
+_capability = os.environ.get("ATEN_CPU_CAPABILITY")
+if _capability and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import getpass
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{_capability}")
+
 
 # The longest files first: make test hands files to its two workers in collection order, and a
 # long file handed out last keeps one worker busy while the other has nothing left to do.
