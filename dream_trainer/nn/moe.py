@@ -236,8 +236,8 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *,
                  score_func: ScoreFunc = "softmax", normalize_scores: bool = False,
-                 route_scale: float = 1.0, num_shared_experts: int = 0, aux_loss_weight: float = 0.0,
-                 bias_update_rate: float | None = None,
+                 route_scale: float = 1.0, num_shared_experts: int = 0,
+                 aux_loss_weight: float = 0.0, bias_update_rate: float | None = None,
                  aux_loss_scope: AuxLossScope = "micro_batch") -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
