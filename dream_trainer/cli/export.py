@@ -55,9 +55,9 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                              "weights (config.json, tokenizer files) next to the exported "
                              "weights, e.g. the pretrained directory the run started from; "
                              "symbolic links are skipped, never followed. Its config.json's "
-                             "model_type (mixtral, qwen3_moe) also says how converted MoE "
-                             "layers are written: one tensor per expert, as transformers "
-                             "saves them")
+                             "model_type (mixtral, qwen3_moe) also says how MoE experts, "
+                             "converted or as transformers builds them, are written: one "
+                             "tensor per expert, as transformers saves them")
     parser.set_defaults(run=run, takes_overrides=False)
     return parser
 
