@@ -37,6 +37,9 @@ class Name:
         newobj: ``NEWOBJ`` with arguments (a named tuple) -> a fresh value.
         trusted: A user's trusted class or function, unpickled the standard way.
         dtype: For a storage class of a ``torch.save`` archive, its element type.
+        bounded: ``reduce`` reads a bounded number of values whatever its arguments hold
+            (it refuses a longer tuple before reading it), so the decoder does not charge
+            their expansion (``checkpoint.budget``).
     """
 
     name: str
@@ -46,14 +49,41 @@ class Name:
     newobj: Callable[[tuple[Any, ...]], Any] | None = None
     trusted: Any = None
     dtype: torch.dtype | None = None
+    bounded: bool = False
+
+
+class ViewBytes:
+    """The bytes of tensor views one archive may still yield: a view can be far larger than
+    its storage (stride 0), and whatever reads it afterwards (a copy to a device, a hash)
+    pays for its size, not its storage's."""
+
+    __slots__ = ("left", "limit", "size")
+
+    def __init__(self, limit: int, size: int) -> None:
+        self.left = self.limit = limit
+        self.size = size
+
+    def charge(self, nbytes: int) -> None:
+        """Count ``nbytes`` more of views.
+
+        Raises:
+            Refusal: once the views yielded exceed the limit.
+        """
+        self.left -= nbytes
+        if self.left < 0:
+            raise Refusal(f"tensor views of more than {self.limit} bytes from an archive of "
+                          f"{self.size} bytes (views of one storage repeated, or stretched "
+                          "with stride 0, far beyond what it holds)")
 
 
 @dataclasses.dataclass(frozen=True)
 class Storage:
-    """A ``torch.save`` archive's storage, as its persistent id names it."""
+    """A ``torch.save`` archive's storage, as its persistent id names it, and the archive's
+    tally of view bytes."""
 
     data: torch.UntypedStorage
     dtype: torch.dtype
+    views: ViewBytes | None = None
 
 
 # -- checks shared by the builders ----------------------------------------------------------
@@ -192,6 +222,8 @@ def _tensor(storage: Any, dtype: torch.dtype | None, offset: Any, size: Any, str
     if last >= elements:
         raise Refusal(f"a tensor view (offset {offset}, size {tuple(size)}, stride "
                       f"{tuple(stride)}) reaches past its storage of {elements} elements")
+    if storage.views is not None:
+        storage.views.charge(size.numel() * dtype.itemsize)
     tensor = torch.empty(0, dtype=dtype)
     tensor.set_(storage.data, offset, size, stride)
     return tensor.requires_grad_(_bool(requires_grad, "requires_grad")
@@ -353,7 +385,7 @@ def _dcp_globals() -> dict[str, Name]:
             "checkpoint_id": _optional(_instance(str, pathlib.PurePath)),
             "save_id": _optional(as_str), "load_id": _optional(as_str),
             "modules": _list_of(as_str)})),
-        Name(prefix + "_MEM_FORMAT_ENCODING", reduce=memory_format),
+        Name(prefix + "_MEM_FORMAT_ENCODING", reduce=memory_format, bounded=True),
         Name("torch.distributed.checkpoint.filesystem._StorageInfo", build=_fields(_StorageInfo, {
             "relative_path": _file_name, "offset": as_int, "length": as_int,
             "transform_descriptors": _optional(_list_of(as_str))})),
@@ -381,9 +413,9 @@ def _common_globals() -> dict[str, Name]:
                                    ("WindowsPath", pathlib.PureWindowsPath),
                                    ("PureWindowsPath", pathlib.PureWindowsPath))]
     return _table(
-        Name("torch.Size", reduce=_torch_size),
-        Name("torch.serialization._get_layout", reduce=_layout),
-        Name("collections.OrderedDict", reduce=_ordered_dict),
+        Name("torch.Size", reduce=_torch_size, bounded=True),
+        Name("torch.serialization._get_layout", reduce=_layout, bounded=True),
+        Name("collections.OrderedDict", reduce=_ordered_dict, bounded=True),
         Name("builtins.set", reduce=lambda args: _collection(args, set)),
         Name("builtins.frozenset", reduce=lambda args: _collection(args, frozenset)),
         *paths,
@@ -413,11 +445,11 @@ def _item_globals() -> dict[str, Name]:
         Name("torch.storage.UntypedStorage", dtype=torch.uint8),
         Name("_codecs.encode", reduce=_encode),
         Name("builtins.bytearray", reduce=_bytearray),
-        Name("builtins.complex", reduce=_complex),
-        Name("torch.device", reduce=_device),
-        Name("torch._utils._rebuild_tensor_v2", reduce=_rebuild_tensor),
-        Name("torch._utils._rebuild_tensor_v3", reduce=_rebuild_tensor_v3),
-        Name("torch._utils._rebuild_parameter", reduce=_rebuild_parameter),
+        Name("builtins.complex", reduce=_complex, bounded=True),
+        Name("torch.device", reduce=_device, bounded=True),
+        Name("torch._utils._rebuild_tensor_v2", reduce=_rebuild_tensor, bounded=True),
+        Name("torch._utils._rebuild_tensor_v3", reduce=_rebuild_tensor_v3, bounded=True),
+        Name("torch._utils._rebuild_parameter", reduce=_rebuild_parameter, bounded=True),
         Name("torch._tensor._rebuild_from_type_v2", reduce=_rebuild_from_type),
         # Only named inside _rebuild_from_type_v2's arguments, never called.
         Name("torch._utils._rebuild_wrapper_subclass"),

@@ -17,6 +17,9 @@ its own versions of the opcodes that reach objects:
 - Dicts and sets are filled through ``hash_guard``'s count of keys per hash, so a file of
   colliding keys is refused in linear time instead of inserted in quadratic time; nesting
   is bounded; ``INST``, ``OBJ``, extension codes and out-of-band buffers are refused.
+- Every value hashed, handed to a builder or returned is charged to a ``budget.Budget`` of
+  the pickle's bytes, each shared reference counted again: memo references crafted to
+  expand a kilobyte into 2**64 values are refused after at most the budget's work.
 
 A user's own class is allowed only by name (``trusted_globals``), and then unpickles the
 standard way: the user vouched for its code.
@@ -39,11 +42,9 @@ import torch
 from dream_trainer.checkpoint.allowlist import (Name, Refusal, Storage, as_int, as_str,
                                                 check_spread, dtypes, item_names,
                                                 metadata_names)
+from dream_trainer.checkpoint.budget import MAX_DEPTH, Budget
 from dream_trainer.errors import CheckpointError
 
-MAX_DEPTH = 256
-"""Deepest nesting of containers accepted (real states nest about 10 deep); deeper ones would
-overflow the interpreter's stack when hashed, compared or copied."""
 MAX_PICKLE_BYTES = 1 << 30
 """Largest pickle read (1 GiB): the metadata of a checkpoint with millions of chunks is tens
 of MB."""
@@ -92,6 +93,7 @@ class _SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         self.depths: dict[int, tuple[Any, int]] = {}
         self.buildable: dict[int, Any] = {}
         self.vouched: dict[int, Any] = {}  # what the user's trusted code made, by id
+        self.budget = Budget(len(data))
 
     # GLOBAL / STACK_GLOBAL
     def find_class(self, module: str, name: str) -> Any:
@@ -111,6 +113,8 @@ class _SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         spec = self.stack[-1]
         if not isinstance(args, tuple):
             raise Refusal("REDUCE without an argument tuple")
+        if not (isinstance(spec, Name) and spec.bounded):
+            self.budget.charge(args)  # what the builder (or the user's code) goes through
         if isinstance(spec, Name) and spec.trusted is not None:
             made = spec.trusted(*args)
             self.vouched[id(made)] = made
@@ -123,6 +127,8 @@ class _SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def _newobj(self) -> None:
         args = self.stack.pop()
         spec = self.stack.pop()
+        if type(args) is tuple and args:
+            self.budget.charge(args)
         if isinstance(spec, Name) and spec.trusted is not None:
             obj = spec.trusted.__new__(spec.trusted, *args)
             self.buildable[id(obj)] = self.vouched[id(obj)] = obj
@@ -139,8 +145,10 @@ class _SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def _build(self) -> None:
         state = self.stack.pop()
         target = self.stack[-1]
+        charged = self.budget.charge((state,))  # what the builder checks and copies
         if isinstance(target, _Pending):
             built = target.spec.build(state)  # type: ignore[misc]
+            self.budget.record(built, charged)
             self.stack[-1] = built
             for key in target.memo_keys:
                 if self.memo.get(key) is target:
@@ -172,6 +180,10 @@ class _SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     # Containers: keys counted per hash; hashable containers' depth bounded.
     def _counted(self, container: Any, keys: list[Any]) -> None:
+        # Hashing a tuple visits all of it, every time (strings cache their hash).
+        nested = [key for key in keys if isinstance(key, (tuple, frozenset))]
+        if nested:
+            self.budget.charge(nested)
         entry = self.counts.setdefault(id(container), (container, Counter()))
         check_spread(keys, entry[1])
 
@@ -222,6 +234,7 @@ class _SafeUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     def _frozenset(self) -> None:
         items = self.pop_mark()
+        self.budget.charge(items)
         check_spread(items)
         self.append(self._deep(frozenset(items), items))
 
@@ -353,36 +366,6 @@ def _children(value: Any, vouched: Mapping[int, Any]) -> Iterator[Any] | None:
     raise Refusal(f"a {type(value).__qualname__} in the result")
 
 
-def check_tree(root: Any, vouched: Mapping[int, Any] | None = None) -> None:
-    """Refuse a decoded value that holds a placeholder, or nests deeper than ``MAX_DEPTH``
-    (the longest chain of containers; shared and cyclic references counted once).
-
-    Raises:
-        Refusal: saying which.
-    """
-    vouched = vouched or {}
-    depth: dict[int, int] = {}
-    seen: dict[int, Any] = {}  # keeps every visited object alive, so ids stay unique
-    stack: list[tuple[Any, bool]] = [(root, False)]
-    while stack:
-        value, finished = stack.pop()
-        key = id(value)
-        if finished:
-            children = _children(value, vouched) or iter(())
-            depth[key] = 1 + max((depth.get(id(child), 0) for child in children), default=0)
-            if depth[key] > MAX_DEPTH:
-                raise Refusal(f"containers nested more than {MAX_DEPTH} deep")
-            continue
-        if key in seen:
-            continue
-        seen[key] = value
-        children = _children(value, vouched)
-        if children is None:
-            continue
-        stack.append((value, True))
-        stack.extend((child, False) for child in children if id(child) not in seen)
-
-
 # -- entry points ---------------------------------------------------------------------------
 @functools.cache
 def _allowed(kind: str) -> dict[str, Name]:
@@ -426,26 +409,34 @@ def loads(data: bytes, source: str, kind: str = "metadata",
         raise CheckpointError(f"{source} is {len(data)} bytes, more than the "
                               f"{MAX_PICKLE_BYTES} a checkpoint's pickle may have")
     names, values = _names(kind, trusted)
+    # A refusal is raised after the handler, not from it: it says everything, and whoever
+    # looks for the innermost cause of a failure (DCP's wrapper) should find it, not ours.
+    refused: CheckpointError | None = None
     try:
         unpickler = _SafeUnpickler(data, names, values, storages)
         value = unpickler.load()
         if kind == "item":
-            check_tree(value, unpickler.vouched)
+            # Every reference counted again: what readers do with the result (move its
+            # tensors, put packed tensors back) visits it that way.
+            unpickler.budget.walk(value, functools.partial(_children,
+                                                           vouched=unpickler.vouched))
         elif not _is_metadata(value):
-            # The builders checked every field of the metadata classes, so a Metadata at the
-            # top holds only what they built.
             raise Refusal(f"{_name(value)} where DCP's Metadata belongs")
+        # A Metadata holds only what the builders made, and its BUILD charged all of it,
+        # each built part as often as it is referenced (what DCP's planner visits).
     except _NotAllowed as exc:
-        raise refusal(str(exc), source) from None
+        refused = refusal(str(exc), source)
     except Refusal as exc:
-        raise CheckpointError(f"{source} cannot be read safely: it holds {exc}; it was not "
-                              "written by dream_trainer or torch, or was altered") from None
+        refused = CheckpointError(f"{source} cannot be read safely: it holds {exc}; it was not "
+                                  "written by dream_trainer or torch, or was altered")
     except CheckpointError:
         raise
     except (RecursionError, MemoryError) as exc:
-        raise CheckpointError(f"{source} cannot be read: {type(exc).__name__}") from None
+        refused = CheckpointError(f"{source} cannot be read: {type(exc).__name__}")
     except Exception as exc:
         raise CheckpointError(f"cannot read {source}: {type(exc).__name__}: {exc}") from exc
+    if refused is not None:
+        raise refused
     return value
 
 

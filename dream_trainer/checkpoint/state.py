@@ -26,6 +26,7 @@ from torch import nn
 
 from dream_trainer.checkpoint.layout import CheckpointError
 from dream_trainer.checkpoint.rng import rng_state
+from dream_trainer.checkpoint.torch_archive import rebuild
 from dream_trainer.checkpoint.trust import load_item
 from dream_trainer.parallel.state_dict import load_model_state_dict, model_state_dict
 from dream_trainer.trainer.phases import call_through
@@ -71,20 +72,10 @@ def _join(path: str, key: Any) -> str:
 
 
 def join_tensors(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """The inverse of ``split_tensors``."""
-    if isinstance(value, TensorRef):
-        return tensors[value.path]
-    if isinstance(value, dict):
-        joined = copy.copy(value)
-        for key, item in value.items():
-            joined[key] = join_tensors(item, tensors)
-        return joined
-    if isinstance(value, (list, tuple)):
-        items = [join_tensors(item, tensors) for item in value]
-        if isinstance(value, tuple) and hasattr(value, "_fields"):
-            return type(value)(*items)
-        return type(value)(items)
-    return value
+    """The inverse of ``split_tensors``. Iterative, and linear in ``value`` as decoded: the
+    decoder bounds its size counting every shared reference (``checkpoint.budget``)."""
+    return rebuild(value, lambda leaf: tensors[leaf.path] if isinstance(leaf, TensorRef)
+                   else leaf)
 
 
 LOADER = "loader_dp"
