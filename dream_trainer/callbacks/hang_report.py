@@ -13,7 +13,9 @@ DIR`` prints it again later, after checking every record against the format writ
 from __future__ import annotations
 
 import errno
+import functools
 import json
+import math
 import os
 import pickle
 import stat
@@ -32,6 +34,8 @@ from pydantic import Field, FiniteFloat, TypeAdapter, ValidationError
 from typing_extensions import TypedDict
 
 from dream_trainer.callbacks.hang_files import write_file
+from dream_trainer.utils.bounded import read_bounded
+from dream_trainer.utils.text import printable
 from dream_trainer.world.agree import is_launched
 
 RECORD = "hang_rank{rank}.json"
@@ -39,6 +43,9 @@ EMITTED = "hang_verdict.json"
 """Names the records the verdict printed during the hang covered (see ``report_once``)."""
 MAX_WORLD_SIZE = 1 << 20
 """The most ranks a record may claim: far above any run, far below what exhausts memory."""
+MAX_RECORD_BYTES = 64 * 2**20
+"""The largest record read: a flight recorder of 100,000 collectives (50 times torch's default
+buffer) writes about 20 MB, and checking 64 MiB takes seconds and under 1 GiB."""
 _POLL = 0.1
 _LIBRARIES = tuple(str(Path(p).resolve()) for p in {
     sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
@@ -204,7 +211,7 @@ def report_once(directory: Path, run: str, rank: int, world_size: int, wait: flo
 def _emitted(directory: Path, run: str) -> dict[int, float]:
     """Rank -> the ``written`` time of each record the emitted verdict on ``run`` covered."""
     try:
-        mark = _EMITTED.validate_json((directory / EMITTED).read_bytes())
+        mark = _EMITTED.validate_json(_read_regular(directory / EMITTED))
     except (OSError, ValidationError):  # none yet
         return {}
     return mark["records"] if mark["run"] == run else {}
@@ -283,14 +290,18 @@ def _read_regular(path: Path) -> bytes:
     """The bytes of ``path`` if it is a regular file (a symlink to one included).
 
     Raises:
-        OSError: if it cannot be read or is something else: a device (``/dev/zero`` would
-            never end) or a FIFO (which would block), opened without blocking to find out.
+        OSError: if it cannot be read, holds more than ``MAX_RECORD_BYTES``, or is something
+            else: a device (``/dev/zero`` would never end) or a FIFO (which would block),
+            opened without blocking to find out.
     """
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(descriptor, "rb") as file:
         if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
             raise OSError(errno.EINVAL, "not a regular file")
-        return file.read()
+        try:
+            return read_bounded(file, "it", MAX_RECORD_BYTES)
+        except ValueError as exc:
+            raise OSError(errno.EFBIG, str(exc)) from None
 
 
 def where(record: Mapping[str, Any]) -> str:
@@ -299,9 +310,14 @@ def where(record: Mapping[str, Any]) -> str:
     stack = record["stack"]
     if not stack:
         return "an unknown frame (no stack recorded)"
-    mine = [f for f in stack if not str(Path(f["file"]).resolve()).startswith(_LIBRARIES)]
-    frame = (mine or stack)[-1]
-    return f"{Path(frame['file']).name}:{frame['line']} in {frame['function']}"
+    frame = next((f for f in reversed(stack) if not _in_library(f["file"])), stack[-1])
+    # The names come from a file anyone could write: escaped, they cannot drive a terminal.
+    return printable(f"{Path(frame['file']).name}:{frame['line']} in {frame['function']}")
+
+
+@functools.lru_cache(maxsize=4096)  # a real stack repeats its files
+def _in_library(file: str) -> bool:
+    return str(Path(file).resolve()).startswith(_LIBRARIES)
 
 
 def _in_collective(record: Mapping[str, Any]) -> bool:
@@ -321,6 +337,7 @@ def verdict(records: Mapping[int, Mapping[str, Any]]) -> str:
         lines += _from_stacks(records)
         return "\n".join(lines)
     group, sequence, op, axis, ahead, behind = stuck
+    group, op, axis = printable(group), printable(op), printable(axis)
     lines.append(f"ranks {ahead} entered {op} #{sequence} on {axis} (process group {group}); "
                  f"ranks {behind} never did")
     for rank in behind:
@@ -351,29 +368,69 @@ def _steps(records: Mapping[int, Mapping[str, Any]]) -> str:
 
 def _first_disagreement(records: Mapping[int, Mapping[str, Any]]
                         ) -> tuple[str, int, str, str, list[int], list[int]] | None:
-    """The earliest collective some members of a group entered and others did not."""
-    found = []
+    """The earliest collective some members of a group entered and others did not.
+
+    Linear in the records' size: each status, group and entry is read once (looking up each
+    group's entry among every ahead rank's entries cost the groups times the entries, 20
+    minutes for 30 MB of records).
+    """
     groups: dict[str, dict[str, Any]] = {}
-    for record in records.values():
+    enqueued: dict[str, dict[int, int]] = {}  # group name -> rank -> last enqueued
+    first: dict[tuple[str, int], list[tuple[int, Any]]] = {}  # each rank's first entry
+    for rank, record in records.items():
         for name, group in record.get("groups", {}).items():
             groups.setdefault(name, group)
-    names = {name for record in records.values() for name in record.get("status", {})}
-    for name in sorted(names):
-        members = [r for r in groups.get(name, {}).get("ranks", sorted(records)) if r in records]
-        entered = {r: int(records[r].get("status", {}).get(name, {}).get("enqueued", -1))
-                   for r in members}
-        if len(set(entered.values())) < 2:
+        for name, progress in record.get("status", {}).items():
+            enqueued.setdefault(name, {})[rank] = int(progress.get("enqueued", -1))
+    for rank in sorted(records):
+        seen = set()
+        for entry in records[rank]["entries"]:
+            key = (entry["group"], entry["sequence"])
+            if key not in seen:
+                seen.add(key)
+                first.setdefault(key, []).append((rank, entry))
+    best: tuple[int, str, int, Any] | None = None
+    for name in sorted(enqueued):
+        entered = _entered(name, enqueued[name], groups, records)
+        values = set(entered.values()) if entered is not None else \
+            {*enqueued[name].values(), *([-1] if len(enqueued[name]) < len(records) else [])}
+        if len(values) < 2:
             continue
-        sequence = min(entered.values()) + 1
-        ahead = sorted(r for r, last in entered.items() if last >= sequence)
-        behind = sorted(r for r, last in entered.items() if last < sequence)
-        entry = next((e for r in ahead for e in records[r]["entries"]
-                      if e["group"] == name and e["sequence"] == sequence), None)
-        op = entry["op"] if entry else "collective"
+        sequence = min(values) + 1
+        entry = next((e for r, e in first.get((name, sequence), [])
+                      if _last(r, enqueued[name], entered) >= sequence), None)
         created = entry["created_ns"] if entry and entry.get("created_ns") else 0
-        axis = groups.get(name, {}).get("axis", f"process group {name}")
-        found.append((created, (name, sequence, op, axis, ahead, behind)))
-    return min(found, key=lambda item: item[0])[1] if found else None
+        if best is None or created < best[0]:
+            best = (created, name, sequence, entry)
+    if best is None:
+        return None
+    _, name, sequence, entry = best
+    entered = _entered(name, enqueued[name], groups, records)
+    ahead = sorted(r for r in (records if entered is None else entered)
+                   if _last(r, enqueued[name], entered) >= sequence)
+    behind = sorted(r for r in (records if entered is None else entered)
+                    if _last(r, enqueued[name], entered) < sequence)
+    axis = groups.get(name, {}).get("axis", f"process group {name}")
+    return name, sequence, entry["op"] if entry else "collective", axis, ahead, behind
+
+
+def _last(rank: int, enqueued: Mapping[int, int],
+          entered: Mapping[int, int] | None) -> float:
+    """The last collective ``rank`` enqueued in a group (-1: none); for a rank that is not a
+    member of a group whose ranks are named (``entered``), minus infinity, below any."""
+    if entered is None:
+        return enqueued.get(rank, -1)
+    return entered.get(rank, -math.inf)
+
+
+def _entered(name: str, enqueued: Mapping[int, int], groups: Mapping[str, Mapping[str, Any]],
+             records: Mapping[int, Any]) -> dict[int, int] | None:
+    """Member rank -> its last enqueued collective of the group ``name``, for a group whose
+    ranks a record names; None for one that names none (every rank with a record is then a
+    member, and the caller reads ``enqueued`` sparsely rather than once per rank)."""
+    if name not in groups:
+        return None
+    return {r: enqueued.get(r, -1) for r in groups[name]["ranks"] if r in records}
 
 
 def _from_stacks(records: Mapping[int, Mapping[str, Any]]) -> list[str]:
@@ -382,10 +439,11 @@ def _from_stacks(records: Mapping[int, Mapping[str, Any]]) -> list[str]:
              ("no collective was recorded (the flight recorder is off, or the backend records "
               "none): this verdict comes from the stacks alone")]
     waiting = sorted(r for r, record in records.items() if _in_collective(record))
+    waits = set(waiting)
     elsewhere = sorted(set(records) - set(waiting))
     if waiting and elsewhere:
         lines.append(f"ranks {waiting} wait in a collective; ranks {elsewhere} are not in one")
     for rank in sorted(records):
-        state = "waits in a collective" if rank in waiting else "is"
+        state = "waits in a collective" if rank in waits else "is"
         lines.append(f"rank {rank} {state} at {where(records[rank])}")
     return lines

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,6 +17,8 @@ from dream_trainer.checkpoint.layout import (CONFIG, METADATA, MODEL_PREFIX, Che
                                              verify_files, written_files)
 from dream_trainer.checkpoint.storage import Location, RunLockLike, storage_for
 from dream_trainer.checkpoint.trust import safe_reader
+from dream_trainer.utils.bounded import read_bounded
+from dream_trainer.utils.text import printable
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +95,19 @@ def failures(exc: BaseException) -> str:
                      for rank, error in sorted(per_rank.items()))
 
 
+def load_failure(exc: BaseException, doing: str) -> CheckpointError:
+    """A failed DCP load (its ``CheckpointException``, or any error) as one ``CheckpointError``:
+    a refusal of dream_trainer's reader keeps its own message, which names the file and what
+    is wrong; anything else is named after ``doing``, with each rank's root cause."""
+    per_rank = getattr(exc, "failures", None)
+    causes = [innermost(error) for error in per_rank.values()] \
+        if isinstance(per_rank, dict) and per_rank else [innermost(exc)]
+    if all(isinstance(cause, CheckpointError) for cause in causes) \
+            and len({str(cause) for cause in causes}) == 1:
+        return CheckpointError(str(causes[0]))
+    return CheckpointError(f"{doing}: {failures(exc)}")
+
+
 def innermost(error: BaseException | tuple[BaseException, Any]) -> BaseException:
     """The innermost cause of ``error`` (DCP keeps ``(exception, traceback)`` per rank)."""
     if isinstance(error, tuple):
@@ -142,28 +158,113 @@ def saved_config(path: Location) -> dict[str, Any] | None:
     if not storage.is_file(file):
         return None
     try:
-        config = json.loads(storage.read_bytes(file))
-    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON or UTF-8
+        with storage.open_file(file) as handle:
+            config = json.loads(read_bounded(handle, file))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON or UTF-8,
+        # or over the limit
         raise CheckpointError(f"{file} cannot be read: {type(exc).__name__}: {exc}") from exc
     if not isinstance(config, dict):
         raise CheckpointError(f"{file} holds a JSON {type(config).__name__}, not a config")
     return config
 
 
+MAX_CHANGES_SHOWN = 50
+"""The most config changes ``config_changes`` lists; the rest are counted."""
+_MAX_VALUE_CHARS = 200  # of each value shown: a changed list of a million items is cut
+
+
 def config_changes(saved: dict[str, Any], current_json: str) -> list[str]:
     """``key: saved -> current`` for every value of the config ``current_json`` that differs
-    from ``saved`` (see ``saved_config``)."""
-    saved = _flatten(saved)
-    current = _flatten(json.loads(current_json))
-    return [f"{key}: {saved.get(key, '<absent>')!r} -> {current.get(key, '<absent>')!r}"
-            for key in sorted(saved.keys() | current.keys())
-            if saved.get(key) != current.get(key)]
+    from ``saved`` (see ``saved_config``), in the order of the keys; beyond
+    ``MAX_CHANGES_SHOWN``, one last line counts the others.
+
+    Linear in the size of both configs: the two trees are walked together and a key's
+    dotted name is joined only for the changes listed (joining every leaf's name would cost
+    the depth times the leaves: gigabytes for a crafted ``config.json`` of 164 KB).
+    """
+    shown: list[str] = []
+    count = 0
+    for path, before, after in _changes(saved, json.loads(current_json), None):
+        count += 1
+        if len(shown) < MAX_CHANGES_SHOWN:
+            shown.append(f"{printable(_dotted(path))}: {_shown(before)} -> {_shown(after)}")
+    if count > len(shown):
+        shown.append(f"... and {count - len(shown)} more changes")
+    return shown
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return flat
+_ABSENT = object()
+_Path = tuple[Any, str] | None  # (parent path, key): each node's path built once
+
+
+def _changes(saved: Any, current: Any, path: _Path) -> Iterator[tuple[_Path, Any, Any]]:
+    """Every leaf where the trees ``saved`` and ``current`` differ below ``path``, as
+    (path, saved value, current value) with ``_ABSENT`` for a missing side, in the order
+    of the dotted names. A loop over a stack rather than recursion: a value passed up
+    through a chain of generators would cost the depth per leaf."""
+    pending = [(saved, current, path)]
+    while pending:
+        saved, current, path = pending.pop()
+        if not isinstance(saved, dict) and not isinstance(current, dict):
+            if _value(saved) != _value(current):
+                yield path, saved, current
+            continue
+        children = _children(saved if isinstance(saved, dict) else {},
+                             current if isinstance(current, dict) else {}, path)
+        pending += [child for _, child in sorted(children, key=lambda item: item[0],
+                                                 reverse=True)]
+
+
+def _children(saved: dict[Any, Any], current: dict[Any, Any], path: _Path
+              ) -> list[tuple[str, tuple[Any, Any, _Path]]]:
+    """The (saved, current, path) items below ``path``, each with the text its dotted names
+    sort by: a leaf's own key, a tree's key and a dot (so that a sibling ``a-b`` comes
+    between leaf ``a`` and ``a.x``, as sorting the joined names would place it). A key that
+    is a leaf on one side and a tree on the other is both: the leaf against nothing, then
+    the tree."""
+    items = []
+    for key in saved.keys() | current.keys():
+        before, after = saved.get(key, _ABSENT), current.get(key, _ABSENT)
+        name = str(key)
+        child = (path, name)
+        before_tree, after_tree = isinstance(before, dict), isinstance(after, dict)
+        if not before_tree and not after_tree:
+            items.append((name, (before, after, child)))
+            continue
+        leaf = after if before_tree else before
+        if not isinstance(leaf, dict) and leaf is not _ABSENT:
+            pair = (_ABSENT, leaf) if before_tree else (leaf, _ABSENT)
+            items.append((name, (*pair, child)))
+        items.append((f"{name}.", (before if before_tree else _ABSENT,
+                                   after if after_tree else _ABSENT, child)))
+    return items
+
+
+def _value(leaf: Any) -> Any:
+    """A leaf as compared: a missing one equals None (a field added with a None default is
+    no change)."""
+    return None if leaf is _ABSENT else leaf
+
+
+def _dotted(path: _Path) -> str:
+    """The dotted name of ``path``; of a name over ``_MAX_VALUE_CHARS``, its end and the
+    count of the levels left out."""
+    keys: list[str] = []
+    length, skipped = 0, 0
+    while path is not None:
+        path, key = path
+        if length + len(key) < _MAX_VALUE_CHARS:
+            keys.append(key)
+            length += len(key) + 1
+        else:
+            skipped += 1
+            length = _MAX_VALUE_CHARS  # a level left out: keep none above it either
+    if skipped:
+        keys.append(f"<{skipped} levels>")
+    return ".".join(reversed(keys))
+
+
+def _shown(value: Any) -> str:
+    text = "'<absent>'" if value is _ABSENT else repr(value)
+    return text if len(text) <= _MAX_VALUE_CHARS else \
+        f"{text[:_MAX_VALUE_CHARS]}... ({len(text)} characters)"

@@ -10,8 +10,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from dream_trainer.checkpoint.declared import check_declared_sizes
 from dream_trainer.checkpoint.storage import Location, storage_for
 from dream_trainer.errors import CheckpointError
+from dream_trainer.utils.bounded import read_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +55,11 @@ class CheckpointInfo:
         """
         file = path / INFO
         try:
-            data = json.loads(storage_for(file).read_bytes(file))
+            with storage_for(file).open_file(file) as handle:
+                data = json.loads(read_bounded(handle, file))
             problem = _record_problem(data)
-        except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON or UTF-8
+        except (OSError, ValueError, RecursionError, CheckpointError) as exc:
+            # ValueError: not JSON or UTF-8, or over the limit; CheckpointError: missing
             problem = f"{type(exc).__name__}: {exc}"
         if problem is not None:
             raise CheckpointError(
@@ -177,17 +181,20 @@ def checksum_share(names: Any, rank: int, world_size: int) -> list[str]:
 
 
 def verify_files(path: Location, metadata: Any, rank: int = 0, world_size: int = 1) -> None:
-    """Check that every file the metadata points into is a regular file inside the
-    checkpoint, long enough, and (for a checkpoint with checksums) covered by a checksum
-    recorded when the checkpoint was committed, which it still matches.
+    """Check that every tensor's declared size is backed by stored bytes (see
+    ``check_declared_sizes``), and every file the metadata points into is a regular file
+    inside the checkpoint, long enough, and (for a checkpoint with checksums) covered by a
+    checksum recorded when the checkpoint was committed, which it still matches.
 
     Several ranks can share the reading: each checks its ``checksum_share`` of the files
     (and combines its verdict with the others'); the cheap checks run on every rank.
 
     Raises:
-        CheckpointError: naming the file that lies outside the checkpoint, is a symbolic
-            link, is missing, truncated, covered by no checksum, or altered.
+        CheckpointError: naming the tensor whose size its chunks do not back, or the file
+            that lies outside the checkpoint, is a symbolic link, is missing, truncated,
+            covered by no checksum, or altered.
     """
+    check_declared_sizes(path / METADATA, metadata)
     needed = data_files(metadata)
     recorded = CheckpointInfo.read(path).files if storage_for(path).is_file(path / INFO) \
         else None

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dream_trainer.callbacks.hang_report import read_records, verdict
+from dream_trainer.utils.text import printable
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -29,7 +30,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         records = read_records(args.run_dir)
     except (FileNotFoundError, ValueError) as exc:  # the message names the file and the fix
-        print(f"dream-trainer diagnose: error: {exc}", file=sys.stderr)
+        # The message quotes file names and values from the records: escaped, they cannot
+        # drive the terminal.
+        print(f"dream-trainer diagnose: error: {printable(exc, keep=chr(10))}",
+              file=sys.stderr)
         return 1
-    print(verdict(records))
+    print(verdict(records))  # escapes what it quotes from the records
     return 0

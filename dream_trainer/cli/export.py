@@ -82,6 +82,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
     from dream_trainer.checkpoint import CheckpointError, export_checkpoint
+    from dream_trainer.utils.text import printable
     from dream_trainer.weights.hf import DEFAULT_MAX_SHARD_BYTES
 
     hf_only = [flag for flag, value in (("--max-shard-size", args.max_shard_size),
@@ -115,10 +116,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             if args.config_from is not None:
                 _copy_config(args.config_from, path)
     except (CheckpointError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(exc, keep=chr(10))}", file=sys.stderr)
         return 1
     for model, path in written.items():
-        print(f"{model}: {path}")
+        # A model's name comes from the checkpoint's metadata: escaped, it cannot drive
+        # the terminal.
+        print(f"{printable(model)}: {printable(path)}")
     return 0
 
 

@@ -11,7 +11,8 @@ or an object store), so from ``s3://`` too a rank fetches only the byte ranges o
 Before any read it checks what DCP's reader takes on trust: every file's header is a valid
 safetensors header whose tensors fill its data exactly, with only dtypes this reader knows,
 and the chunks of every tensor (several files may each hold a part, placed by their
-``DCP_SHARDING_INFO``) cover it exactly once. With the shapes matched to the model's
+``DCP_SHARDING_INFO``) cover it exactly once (``utils.boxes``: in linear time, so a folder of
+a million one-element chunks is checked in seconds). With the shapes matched to the model's
 (``PretrainedWeights``), every element of every target tensor is then written by the load.
 ``BoxPlanner`` adds the file tensors that fill slices of a stacked parameter
 (``weights.stacked``): a rank reads only the parts of them that its shard holds.
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.futures import Future
 
 from dream_trainer.errors import CheckpointError
+from dream_trainer.utils.boxes import tiling_problem
 from dream_trainer.weights.hf import Files, safetensors_names
 from dream_trainer.weights.stacked import Box
 
@@ -49,6 +51,7 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
+_SHOWN = 8  # chunks or files an error lists: a million would make a message of megabytes
 _SHARDING_INFO = "DCP_SHARDING_INFO"  # torch's key for where a file's chunk of a tensor sits
 _OFFSETS = "saved_offsets"
 
@@ -230,37 +233,25 @@ def _check_coverage(fqn: str, entry: TensorStorageMetadata, metadata: Metadata,
     """Refuse a tensor whose chunks do not cover it exactly once: an element no chunk holds
     would keep what its target held before the load (uninitialized memory, NaN).
 
-    The chunks cover it exactly when none overlap and their elements add up to its own.
-
     Raises:
         CheckpointError: naming the tensor and the files that hold its chunks.
     """
-    boxes = [(tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in entry.chunks]
+    boxes = [(chunk.offsets, chunk.sizes) for chunk in entry.chunks]
     size = tuple(entry.size)
-    if any(len(offsets) != len(size) or len(sizes) != len(size) for offsets, sizes in boxes):
-        problem = "differ in their number of dimensions"
-    elif any(_overlap(a, b) for a, b in itertools.combinations(boxes, 2)):
-        problem = "overlap"
-    else:
-        covered, total = sum(math.prod(sizes) for _, sizes in boxes), math.prod(size)
-        if covered == total:
-            return
-        problem = f"hold {covered} of its {total} elements"
-    files = sorted({str(directory / metadata.storage_data[MetadataIndex(fqn, list(offsets))]
-                        .file) for offsets, _ in boxes})
+    problem = tiling_problem(size, boxes)
+    if problem is None:
+        return
+    names = sorted({metadata.storage_data[MetadataIndex(fqn, list(offsets))].file
+                    for offsets, _ in boxes})
+    files = ", ".join(str(directory / name) for name in names[:_SHOWN])
+    shown = [(tuple(offsets), tuple(sizes)) for offsets, sizes in boxes[:_SHOWN]]
+    more = f" and {len(boxes) - _SHOWN} more" if len(boxes) > _SHOWN else ""
     raise CheckpointError(
-        f"the chunks of tensor {fqn!r} {list(size)} in {', '.join(files)} {problem} (offsets "
-        f"and sizes: {boxes}): loading them would leave elements of the model unset. A file "
-        f"is missing or its {_SHARDING_INFO} is wrong; copy the complete directory")
-
-
-def _overlap(a: tuple[tuple[int, ...], tuple[int, ...]],
-             b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
-    """Whether two non-empty boxes ``(offsets, sizes)`` share an element."""
-    if 0 in a[1] or 0 in b[1]:
-        return False
-    return all(a_start < b_start + b_size and b_start < a_start + a_size
-               for a_start, a_size, b_start, b_size in zip(a[0], a[1], b[0], b[1]))
+        f"the chunks of tensor {fqn!r} {list(size)} in {files}"
+        f"{f' and {len(names) - _SHOWN} more files' if len(names) > _SHOWN else ''} "
+        f"{problem} (offsets and sizes: {shown}{more}): loading them would leave elements of "
+        f"the model unset. A file is missing or its {_SHARDING_INFO} is wrong; copy the "
+        "complete directory")
 
 
 def _header(file: IO[bytes]) -> tuple[Any, int]:

@@ -12,6 +12,7 @@ transpose (``TransformedKey``) is read the same way, as one box of a file tensor
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -105,7 +106,7 @@ def checkpoint_rules(shapes: Mapping[str, Any], model_type: str | None) -> dict[
 
     Raises:
         ValueError: if the checkpoint holds ``MoE`` layers and ``model_type`` has no declared
-            file layout.
+            file layout, or a stacked tensor whose experts are empty or differ in number.
     """
     suffix, own = ".experts.w1", ".experts.gate_up_proj"
     layers = [key.removesuffix(suffix) for key in shapes if key.endswith(suffix)
@@ -121,11 +122,38 @@ def checkpoint_rules(shapes: Mapping[str, Any], model_type: str | None) -> dict[
                          f"one are {', '.join(FILE_LAYOUTS)}")
     if layout is None:
         return {}
-    rules = [rule for layer in layers
-             for rule in layout.keys(layer, int(shapes[f"{layer}{suffix}"][0]))]
-    rules += [rule for block in blocks
-              for rule in layout.block_keys(block, int(shapes[f"{block}{own}"][0]))]
+    rules = [rule for layer in layers for rule in layout.keys(
+        layer, _experts(shapes, layer, (suffix, ".experts.w2", ".experts.w3")))]
+    rules += [rule for block in blocks for rule in layout.block_keys(
+        block, _experts(shapes, block, (own, ".experts.down_proj")))]
     return {rule.key: rule for rule in rules}
+
+
+def _experts(shapes: Mapping[str, Any], layer: str, suffixes: tuple[str, ...]) -> int:
+    """The number of experts the stacked tensors ``layer + suffix`` hold (their first
+    dimension), each becoming one file tensor per expert.
+
+    Each expert must hold elements: the checkpoint's stored bytes then bound the count (its
+    declared sizes are checked against them when read), where a tensor of a billion empty
+    experts would cost a billion file keys and no byte.
+
+    Raises:
+        ValueError: naming the tensor, if it is not stacked, its experts hold no element, or
+            the tensors differ in their number of experts.
+    """
+    counts = {}
+    for key in (f"{layer}{suffix}" for suffix in suffixes if f"{layer}{suffix}" in shapes):
+        shape = [int(n) for n in shapes[key]]
+        if len(shape) < 2 or math.prod(shape[1:]) == 0:
+            raise ValueError(f"{key} {shape} stacks experts that hold no element: it "
+                             "cannot be exported as one tensor per expert. The checkpoint "
+                             "was altered or crafted; do not use it")
+        counts[key] = shape[0]
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"the stacked expert tensors of {layer} differ in their number of "
+                         f"experts ({counts}): the checkpoint was altered or crafted; do not "
+                         "use it")
+    return next(iter(counts.values()))
 
 
 def split_names(keys: Iterable[str], rules: Mapping[str, StackedKey]) -> dict[str, Part]:
