@@ -16,7 +16,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from dream_trainer.utils.files import write_atomically
+from dream_trainer.utils.files import open_dir, write_atomically
 
 
 def private_trace_dir(project: str, group: str, experiment: str) -> Path:
@@ -28,7 +28,7 @@ def private_trace_dir(project: str, group: str, experiment: str) -> Path:
         PermissionError: if ``<temp>/dream_trainer-<uid>`` exists but is a symlink, not a
             directory, another user's, or open to other users.
     """
-    base = Path(tempfile.gettempdir()) / f"dream_trainer-{os.getuid()}"
+    base = _private_base()
     try:
         base.mkdir(mode=0o700)
     except FileExistsError:
@@ -40,6 +40,10 @@ def private_trace_dir(project: str, group: str, experiment: str) -> Path:
             "hang records written there; remove it (it is recreated private), or pass "
             "HangWatchdog(trace_dir=...) a directory of your own")
     return base / project / group / experiment / "hang"
+
+
+def _private_base() -> Path:
+    return Path(tempfile.gettempdir()) / f"dream_trainer-{os.getuid()}"
 
 
 def _not_private(path: Path) -> str | None:
@@ -59,10 +63,20 @@ def _not_private(path: Path) -> str | None:
 def write_file(directory: Path, name: str, data: bytes) -> Path:
     """Write ``data`` to ``directory/name`` (created with mode 0700 if missing) as a whole,
     readable by this user only: an existing ``name`` (a symlink included) is replaced, never
-    written through (``write_atomically``).
+    written through (``write_atomically``), and a link planted as ``directory``, as a
+    component of it that is created, or as any component below the private directory
+    (``private_trace_dir``) is refused (``utils.files.open_dir``).
 
     Returns:
         The path written.
+
+    Raises:
+        LinkRefused: naming the link.
     """
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return write_atomically(directory / name, data, mode=0o600)
+    # Below the private directory nothing may be a link; elsewhere, the directory itself
+    # and what is created here.
+    descriptor = open_dir(directory, create=True, mode=0o700, root=_private_base())
+    try:
+        return write_atomically(directory / name, data, mode=0o600, directory=descriptor)
+    finally:
+        os.close(descriptor)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dream_trainer.checkpoint.agreement import load_failure
 from dream_trainer.checkpoint.layout import (METADATA, MODEL_PREFIX, CheckpointError,
                                              is_complete, verify_files)
 from dream_trainer.checkpoint.storage import Location, below, location, storage_for
@@ -24,9 +25,10 @@ from dream_trainer.utils.paths import component_problem
 from dream_trainer.weights.hf import (DEFAULT_MAX_SHARD_BYTES, ExportFormat, KeyMap,
                                       check_out_dir, export_live, export_paths,
                                       exported_state, is_weight_file, plan_shards,
-                                      replace_weights, shard_file_names, write_index,
-                                      write_model_config)
+                                      replace_file, replace_weights, shard_file_names,
+                                      write_index, write_model_config)
 from dream_trainer.weights.stacked import Part, checkpoint_rules, exported_parts, model_rules
+from dream_trainer.weights.staging import Staging
 from dream_trainer.world.agree import barrier, from_rank_zero, is_rank_zero
 
 _STAGING = ".export.partial"
@@ -203,19 +205,21 @@ def _write_models(reader: Any, models: dict[str, dict[str, Any]], out_dir: Locat
     written: dict[str, Location] = {}
     with storage_for(out_dir).local_dir(out_dir, is_weight_file) as local:
         for model, tensors in models.items():
-            target, staging = export_paths(local, model, format, several=several,
-                                           make_room=True)
-            if format == "safetensors":
-                _write_file(reader, model, {name: Part(name) for name in tensors}, tensors,
-                            dtype, staging / target.name)
-                # A failed write leaves the old file whole.
-                (staging / target.name).replace(target)
-                staging.rmdir()
-            else:
-                _write_hf(reader, model, tensors, dtype, map_key, max_shard_bytes, target,
-                          staging, (rules or {}).get(model, {}))
-                if configs is not None:
-                    configs(model, target)
+            target = export_paths(local, model, format, several=several, make_room=True)
+            # Written in a private directory, by descriptor (weights.staging): a failed
+            # write leaves the old files whole, and a link planted in OUT_DIR meanwhile is
+            # never followed.
+            with Staging(local, model) as staging:
+                if format == "safetensors":
+                    _write_file(reader, model, {name: Part(name) for name in tensors},
+                                tensors, dtype, staging, target.name)
+                    replace_file(staging, target.name, target)
+                else:
+                    _write_hf(reader, model, tensors, dtype, map_key, max_shard_bytes,
+                              staging, (rules or {}).get(model, {}))
+                    if configs is not None:
+                        configs(model, staging.path)
+                    replace_weights(staging, target)
             written[model] = below(out_dir, *target.relative_to(local).parts)
     return written
 
@@ -253,38 +257,44 @@ def _on_rank_zero(target: Location, work: Callable[[], None]) -> None:
 
 
 def _write_hf(reader: Any, model: str, tensors: dict[str, Any], dtype: torch.dtype | None,
-              map_key: KeyMap | None, max_shard_bytes: int,
-              target: Path, staging: Path, rules: Mapping[str, StackedKey]) -> None:
+              map_key: KeyMap | None, max_shard_bytes: int, staging: Staging,
+              rules: Mapping[str, StackedKey]) -> None:
+    """Write ``model``'s shards, and their index if several, into ``staging``."""
     parts = exported_parts(model, tensors, rules, map_key)  # exported key -> its part
     sizes = {key: _exported_bytes(tensors[part.key], dtype, part)
              for key, part in parts.items()}
     shards = plan_shards(sizes, max_shard_bytes)
     for keys, file_name in zip(shards, shard_file_names(len(shards))):
         _write_file(reader, model, {key: parts[key] for key in keys}, tensors, dtype,
-                    staging / file_name)
+                    staging, file_name)
     if len(shards) > 1:
         write_index(staging, shards, sizes)
-    replace_weights(staging, target)
 
 
 def _write_file(reader: Any, model: str, keys: dict[str, Part], tensors: dict[str, Any],
-                dtype: torch.dtype | None, path: Path) -> None:
-    """Read the tensors ``keys`` takes parts of (exported key -> part) and save the parts."""
+                dtype: torch.dtype | None, staging: Staging, name: str) -> None:
+    """Read the tensors ``keys`` takes parts of (exported key -> part) and save the parts
+    as the new file ``name`` of ``staging``."""
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.api import CheckpointException
 
     loaded = {name: torch.empty(tensors[name].size, dtype=tensors[name].properties.dtype)
               for name in {part.key for part in keys.values()}}
     with warnings.catch_warnings():
         # Loading in one process is the point here; DCP warns that it assumes so.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({f"{MODEL_PREFIX}{model}.{name}": tensor for name, tensor in loaded.items()},
-                 storage_reader=reader, no_dist=True)
+        try:
+            dcp.load({f"{MODEL_PREFIX}{model}.{name}": tensor
+                      for name, tensor in loaded.items()}, storage_reader=reader, no_dist=True)
+        except CheckpointException as exc:
+            # DCP gathers the failure by rank ("ranks:dict_keys([0])"); the reader's own
+            # error names the file and what is wrong.
+            raise load_failure(exc, f"cannot read the weights of model {model!r} from "
+                                    f"{reader.directory}") from exc
     out = {key: _cast(part.take(loaded[part.key]), dtype).contiguous()
            for key, part in keys.items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
     # transformers checks the "format" entry of the header to know the framework.
-    save_file(out, str(path), metadata={"format": "pt"})
+    staging.save_tensors(name, out, metadata={"format": "pt"})
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

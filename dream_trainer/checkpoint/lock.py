@@ -9,17 +9,23 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dream_trainer.checkpoint.layout import CheckpointError
-from dream_trainer.utils.files import write_atomically
+from dream_trainer.utils.files import LinkRefused, make_dirs, write_atomically
 
 logger = logging.getLogger(__name__)
 
 LOCK = ".lock"
 TAKEOVER = ".lock.takeover"
+
+# The lock file is opened, read and created without following a link: a link planted under
+# its name (by whoever can write the checkpoint directory) would have the run write its record
+# into the linked file.
+_OPEN = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 
 # Errors of flock() on a filesystem that has no locks (NFS mounted without lockd, Lustre
 # without its flock option): the record alone then decides.
@@ -171,9 +177,11 @@ class RunLock:
                 writable or, without OS locks, its record is unreadable.
         """
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.path.parent)
             while not self.held:
                 self._attempt()
+        except LinkRefused as exc:
+            raise CheckpointError(f"cannot use the checkpoint directory: {exc}") from None
         except OSError as exc:
             # Found at setup, not after hours of training at the first save.
             raise CheckpointError(
@@ -188,7 +196,11 @@ class RunLock:
         self.held = False
         descriptor, self._descriptor = self._descriptor, None
         if descriptor is None:
-            if self._wait_for_record(live=False) == self.holder:
+            try:
+                ours = self._wait_for_record(live=False) == self.holder
+            except CheckpointError:
+                ours = False  # a link or other file put in its place: not ours to remove
+            if ours:
                 self.path.unlink(missing_ok=True)
             return
         if descriptor not in _HELD:
@@ -206,13 +218,13 @@ class RunLock:
         """One try: hold the lock, raise, or return without it when the file vanished
         meanwhile (its holder released it), to try again."""
         try:
-            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            descriptor = os.open(self.path, _OPEN | os.O_CREAT | os.O_EXCL, 0o644)
             created = True
         except FileExistsError:
-            try:
-                descriptor, created = os.open(self.path, os.O_RDWR), False
-            except FileNotFoundError:
+            descriptor = self._open()
+            if descriptor is None:
                 return
+            created = False
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -227,7 +239,8 @@ class RunLock:
             logger.warning("the filesystem of %s has no file locks (%s): the run lock relies "
                            "on its record alone", self.path.parent, exc)
             if created:
-                self.path.write_text(json.dumps(asdict(self.holder)))
+                # By rename, as a takeover writes it: never through a link put in its place.
+                write_atomically(self.path, json.dumps(asdict(self.holder)).encode())
                 self.held = True
             else:
                 self._take_over_by_record()
@@ -244,6 +257,34 @@ class RunLock:
         finally:
             if not self.held:
                 os.close(descriptor)
+
+    def _open(self) -> int | None:
+        """The existing lock file, opened without following a link; None if it vanished.
+
+        Raises:
+            CheckpointError: if it is a link or not a regular file.
+        """
+        try:
+            descriptor = os.open(self.path, _OPEN)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if os.path.islink(self.path):
+                raise self._not_a_file("a symbolic link") from None
+            if exc.errno == errno.EISDIR:
+                raise self._not_a_file("a directory") from None
+            raise
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            os.close(descriptor)
+            raise self._not_a_file("not a regular file")
+        return descriptor
+
+    def _not_a_file(self, what: str) -> CheckpointError:
+        return CheckpointError(
+            f"the run lock {self.path} is {what}: a run writes its record only into a "
+            "regular file there, never through a link (whoever can write the checkpoint "
+            "directory could otherwise have it overwrite another file). Delete it; the "
+            "next run creates it anew")
 
     # -- with OS locks ------------------------------------------------------------------------
     def _take_over(self, text: str) -> None:
@@ -278,7 +319,8 @@ class RunLock:
             raise self._refusal(current, None if alive else self._unchecked(current))
         marker = self.path.with_name(TAKEOVER)
         try:
-            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o644))
         except FileExistsError:
             raise CheckpointError(
                 f"another run is taking over the lock on {self.path.parent} at this moment "
@@ -302,12 +344,16 @@ class RunLock:
         with ``live`` while it names a dead process (the holder took it over a moment ago)."""
         deadline = time.monotonic() + _RECORD_WAIT_S
         while True:
-            try:
-                current: LockHolder | str | None = LockHolder.parse(self.path.read_text())
-            except FileNotFoundError:
-                current = None
-            except ValueError as exc:
-                current = f"the lock file {self.path} is unreadable ({exc})"
+            descriptor = self._open()
+            if descriptor is None:
+                current: LockHolder | str | None = None
+            else:
+                try:
+                    current = LockHolder.parse(_read(descriptor))
+                except ValueError as exc:
+                    current = f"the lock file {self.path} is unreadable ({exc})"
+                finally:
+                    os.close(descriptor)
             settled = not isinstance(current, str) and not (
                 live and isinstance(current, LockHolder)
                 and current.is_alive(self.holder) is False)
@@ -349,7 +395,7 @@ class RunLock:
 def _names(path: Path, descriptor: int) -> bool:
     """Whether ``path`` is the file open as ``descriptor``."""
     try:
-        return os.path.samestat(os.fstat(descriptor), os.stat(path))
+        return os.path.samestat(os.fstat(descriptor), os.stat(path, follow_symlinks=False))
     except FileNotFoundError:
         return False
 
@@ -358,7 +404,13 @@ def _read(descriptor: int) -> str:
     """The whole text of the file open as ``descriptor``, without moving or closing it (a
     second open and close is harmless to ``flock``, but not to the POSIX locks NFS maps it
     to)."""
-    return os.pread(descriptor, os.fstat(descriptor).st_size, 0).decode(errors="replace")
+    # A record is a few hundred bytes; a planted huge file reads as an unreadable record.
+    size = min(os.fstat(descriptor).st_size, _MAX_RECORD_BYTES)
+    return os.pread(descriptor, size, 0).decode(errors="replace")
+
+
+_MAX_RECORD_BYTES = 1 << 16
+"""The most of a lock file read (64 KiB): a record is a few hundred bytes."""
 
 
 def _write(descriptor: int, holder: LockHolder) -> None:

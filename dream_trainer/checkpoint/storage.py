@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol, TypeVar
 
 from dream_trainer.errors import CheckpointError
-from dream_trainer.utils.files import write_atomically
+from dream_trainer.utils.files import make_dirs, open_dir, write_atomically
 from dream_trainer.utils.paths import component_problem
 
 
@@ -202,7 +202,9 @@ class Storage(ABC):
 
 class LocalStorage(Storage):
     """A local (or mounted) filesystem. Files are replaced by rename, opened without
-    following symlinks, and the run lock is an OS lock (``checkpoint.lock.RunLock``)."""
+    following symlinks, checkpoint directories are created and written without following
+    one (``checkpoint.no_follow``), and the run lock is an OS lock
+    (``checkpoint.lock.RunLock``)."""
 
     def is_file(self, path: Path) -> bool:
         return path.is_file()
@@ -222,10 +224,16 @@ class LocalStorage(Storage):
         write_atomically(path, data, mode)
 
     def make_dir(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
+        make_dirs(path.parent)
+        path.mkdir(exist_ok=True)
+        # A link planted as the checkpoint directory is refused, never written through.
+        os.close(open_dir(path))
 
     def remove_tree(self, path: Path) -> None:
-        shutil.rmtree(path, ignore_errors=True)
+        if path.is_symlink():  # a link where a directory goes: it goes, its target stays
+            path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
     def file_size(self, path: Path) -> int:
         try:
@@ -271,9 +279,9 @@ class LocalStorage(Storage):
         yield target  # written in place: the writers replace files by rename
 
     def writer(self, path: Path) -> Any:
-        from torch.distributed.checkpoint import FileSystemWriter
+        from dream_trainer.checkpoint.no_follow import NoFollowWriter
 
-        return FileSystemWriter(str(path))
+        return NoFollowWriter(str(path))
 
     def lock(self, directory: Path) -> RunLockLike:
         from dream_trainer.checkpoint.lock import RunLock

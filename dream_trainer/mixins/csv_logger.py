@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -14,7 +15,7 @@ from dream_trainer.configs.logging import LoggingConfigMixin
 from dream_trainer.mixins.logging import LoggerMixin
 from dream_trainer.utils.media import (Histogram, ImagesLike, MediaFiles, to_uint8_images,
                                        to_uint8_video)
-from dream_trainer.utils.files import write_atomically
+from dream_trainer.utils.files import append_text, make_dirs, read_text, write_atomically
 from dream_trainer.utils.resumed_log import Continuation
 
 
@@ -55,17 +56,19 @@ class CSVLoggerMixin(LoggerMixin):
 
     def start_logging(self) -> None:
         super().start_logging()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        # A link planted as the folder (or one of the run's above it) or the file is
+        # refused: whoever can write the run's folder could redirect the log through it.
+        make_dirs(self.log_dir, root=self.logging_parameters.log_dir)
         self._csv_columns = ["step"]
-        if self.csv_path.exists() and self.csv_path.stat().st_size:
-            with open(self.csv_path, newline="") as existing:
+        if os.path.lexists(self.csv_path) and self.csv_path.lstat().st_size:
+            with read_text(self.csv_path, newline="") as existing:
                 self._csv_columns = next(csv.reader(existing), None) or ["step"]
             if self.global_step > 0:  # resumed: start_logging runs after the checkpoint loads
                 self._csv_continuation = Continuation.resume(
                     self.csv_path, self.global_step, self._csv_rows(), self._rewrite)
         else:
-            self.csv_path.write_text(",".join(self._csv_columns) + "\n")
-        self._csv_file = open(self.csv_path, "a", newline="")
+            write_atomically(self.csv_path, (",".join(self._csv_columns) + "\n").encode())
+        self._csv_file = append_text(self.csv_path, newline="")
         self._csv_media = MediaFiles(self.log_dir)
 
     def log_dict(self, values: Mapping[str, float], step: int | None = None) -> None:
@@ -124,7 +127,7 @@ class CSVLoggerMixin(LoggerMixin):
     def _csv_rows(self) -> list[dict[str, Any]]:
         if self._csv_file is not None:
             self._csv_file.flush()
-        with open(self.csv_path, newline="") as file:
+        with read_text(self.csv_path, newline="") as file:
             return list(csv.DictReader(file))
 
     def _rewrite(self, rows: list[dict[str, Any]]) -> None:
@@ -139,4 +142,4 @@ class CSVLoggerMixin(LoggerMixin):
         write_atomically(self.csv_path, text.getvalue().encode())
         if self._csv_file is not None:
             self._csv_file.close()
-            self._csv_file = open(self.csv_path, "a", newline="")
+            self._csv_file = append_text(self.csv_path, newline="")

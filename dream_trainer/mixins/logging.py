@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -16,7 +17,7 @@ from dream_trainer.trainer.phases import runs_on
 from dream_trainer.utils.media import (Histogram, ImagesLike, MediaFiles, check_images,
                                        check_table, check_video, plain, to_uint8_images,
                                        to_uint8_video)
-from dream_trainer.utils.files import write_atomically
+from dream_trainer.utils.files import append_text, make_dirs, read_text, write_atomically
 from dream_trainer.utils.resumed_log import Continuation, Row
 
 
@@ -201,11 +202,13 @@ class JSONLoggerMixin(LoggerMixin):
 
     def start_logging(self) -> None:
         super().start_logging()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        if self.global_step > 0 and self._json_path.exists():
+        # A link planted as the folder (or one of the run's above it) or the file is
+        # refused: whoever can write the run's folder could redirect the log through it.
+        make_dirs(self.log_dir, root=self.logging_parameters.log_dir)
+        if self.global_step > 0 and os.path.lexists(self._json_path):
             self._json_continuation = Continuation.resume(
                 self._json_path, self.global_step, self._json_records(), self._rewrite_json)
-        self._json_file = open(self._json_path, "a")
+        self._json_file = append_text(self._json_path)
         self._json_media = MediaFiles(self.log_dir)
 
     def log_dict(self, values: Mapping[str, float], step: int | None = None) -> None:
@@ -225,7 +228,7 @@ class JSONLoggerMixin(LoggerMixin):
     def _json_records(self) -> list[Row | None]:
         """The file's records; None for a line that is not one (a write cut short)."""
         records: list[Row | None] = []
-        with open(self._json_path) as file:
+        with read_text(self._json_path) as file:
             for line in file:
                 try:
                     record = json.loads(line) if line.endswith("\n") else None
@@ -242,7 +245,7 @@ class JSONLoggerMixin(LoggerMixin):
         write_atomically(self._json_path,
                          "".join(json.dumps(record) + "\n" for record in records).encode())
         if self._json_file is not None:
-            self._json_file = open(self._json_path, "a")
+            self._json_file = append_text(self._json_path)
 
     def log_images(self, key: str, images: ImagesLike,
                    captions: Sequence[str] | None = None) -> None:
@@ -275,7 +278,7 @@ class JSONLoggerMixin(LoggerMixin):
 
     def log_config(self, config: dict[str, Any]) -> None:
         super().log_config(config)
-        (self.log_dir / "config.json").write_text(json.dumps(config, indent=2))
+        write_atomically(self.log_dir / "config.json", json.dumps(config, indent=2).encode())
 
     def finish(self) -> None:
         super().finish()

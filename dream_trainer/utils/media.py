@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from dream_trainer.utils.files import make_dirs, write_atomically
+
 ImagesLike = torch.Tensor | Sequence[torch.Tensor]
 """A batch ``(N, C, H, W)``, one image ``(C, H, W)`` or ``(H, W)``, or a sequence of images
 of one size; float in [0, 1] (clamped) or uint8; C is 1 (gray), 3 (RGB) or 4 (RGBA)."""
@@ -301,11 +303,11 @@ class MediaFiles:
         self.directory = log_dir / "media"
 
     def _path(self, key: str, step: int, suffix: str) -> Path:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.directory)  # a link planted as the folder is refused
         return self.directory / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', key)}_step{step}{suffix}"
 
     def _write(self, path: Path, data: bytes) -> str:
-        path.write_bytes(data)
+        write_atomically(path, data)  # replaces a link planted as the file
         return path.relative_to(self.log_dir).as_posix()
 
     def images(self, key: str, step: int, images: torch.Tensor) -> list[str]:

@@ -15,10 +15,13 @@ reads serve ``/path/to/weights`` and ``s3://bucket/weights``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
+import os
 import shutil
+import stat
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,8 +37,11 @@ from dream_trainer.parallel.hf_init import is_hf_model
 from dream_trainer.parallel.names import clean_name, unwrap_ddp
 from dream_trainer.parallel.pipeline import PipelineStages, unwrap_stage
 from dream_trainer.parallel.state_dict import model_state_dict
+from dream_trainer.utils.files import open_dir, open_inside
+from dream_trainer.utils.bounded import MAX_INDEX_BYTES, read_bounded
 from dream_trainer.weights.keys import KeyMap, TransformedKey, exported_names
 from dream_trainer.weights.stacked import model_rules, split_local
+from dream_trainer.weights.staging import Staging, staging_prefix
 from dream_trainer.world.agree import barrier, from_rank_zero, gather_objects, is_rank_zero
 
 logger = logging.getLogger(__name__)
@@ -112,7 +118,8 @@ def _indexed_files(index: Any, files: Files) -> set[str]:
         CheckpointError: naming the file, if it is not such an index.
     """
     try:
-        data = json.loads(files.read_bytes(index))
+        with files.open_file(index) as file:
+            data = json.loads(read_bounded(file, index, MAX_INDEX_BYTES))
     except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON or UTF-8
         raise CheckpointError(f"{index} cannot be read as a safetensors index: "
                               f"{type(exc).__name__}: {exc}") from exc
@@ -149,12 +156,12 @@ def plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> list[list[str
     return shards
 
 
-def write_index(out: Path, shards: list[list[str]], sizes: Mapping[str, int]) -> None:
+def write_index(staging: Staging, shards: list[list[str]], sizes: Mapping[str, int]) -> None:
     """Write ``model.safetensors.index.json`` for ``shards`` named by ``shard_file_names``."""
     names = shard_file_names(len(shards))
     index = {"metadata": {"total_size": sum(sizes.values())},
              "weight_map": {key: name for keys, name in zip(shards, names) for key in keys}}
-    (out / INDEX).write_text(json.dumps(index, indent=2))
+    staging.write(INDEX, json.dumps(index, indent=2).encode())
 
 
 def tied_groups(model: nn.Module) -> dict[str, int]:
@@ -241,8 +248,8 @@ def export_live(models: Mapping[str, nn.Module], path: Path, format: ExportForma
         hf = format == "hf"
         state = exported_state(name, model, map_key if hf else None, dtype,
                                model_rules(model) if hf else None)
-        target, staging = export_paths(path, name, format, several=len(models) > 1,
-                                       make_room=is_rank_zero())
+        target = export_paths(path, name, format, several=len(models) > 1,
+                              make_room=is_rank_zero())
         if format == "hf":
             # Every rank plans the same shards: under a pipeline each holds other keys.
             sizes = _on_every_rank({key: tensor.numel() * tensor.element_size()
@@ -250,17 +257,23 @@ def export_live(models: Mapping[str, nn.Module], path: Path, format: ExportForma
             shards = plan_shards(sizes, max_shard_bytes)
         else:
             shards = [list(state)]
-        barrier()
-        writer = HuggingFaceStorageWriter(
-            str(staging), save_distributed=True, enable_consolidation=True,
-            fqn_to_index_mapping={key: number for number, keys in enumerate(shards, start=1)
-                                  for key in keys})
-        with warnings.catch_warnings():
-            # One process is a valid case here; DCP warns that it assumes so.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            save(state, storage_writer=writer)
-        if is_rank_zero():
-            _publish(staging, target, len(shards), model if format == "hf" else None)
+        staging = _shared_staging(path, name)
+        try:
+            # Every rank writes through its descriptor of the one staging directory.
+            writer = HuggingFaceStorageWriter(
+                str(staging.path), save_distributed=True, enable_consolidation=True,
+                fqn_to_index_mapping={key: number
+                                      for number, keys in enumerate(shards, start=1)
+                                      for key in keys})
+            with warnings.catch_warnings():
+                # One process is a valid case here; DCP warns that it assumes so.
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                save(state, storage_writer=writer)
+            if is_rank_zero():
+                with staging:  # emptied and removed if publishing fails
+                    _publish(staging, target, len(shards), model if format == "hf" else None)
+        finally:
+            staging.close()
         barrier()
         logger.info("exported %s to %s", name, target)
         written[name] = target
@@ -288,50 +301,81 @@ def check_out_dir(out_dir: Any, overwrite: bool, files: Files) -> None:
 
 
 def export_paths(out_dir: Path, model: str, format: ExportFormat, several: bool,
-                 make_room: bool) -> tuple[Path, Path]:
-    """Where ``model`` is exported (its file, or its Hugging Face directory: ``out_dir``
-    itself unless there are ``several`` models) and the staging directory it is written in
-    first; both inside ``out_dir``.
+                 make_room: bool) -> Path:
+    """Where ``model`` is exported inside ``out_dir``: its file, or its Hugging Face
+    directory (``out_dir`` itself unless there are ``several`` models).
 
     Args:
-        make_room: Remove what is in the way: the staging a failed export left, and a link
-            or file where the model's directory goes (a link is removed, never followed out
-            of ``out_dir``). A model's file is replaced by a rename, which never follows one.
+        make_room: Remove what is in the way: the staging directories a failed export left,
+            and a link or file where the model's directory goes (a link is removed, never
+            followed out of ``out_dir``). A model's file is replaced by a rename, which
+            never follows one.
+
+    Raises:
+        LinkRefused: if ``out_dir`` is created here and a link takes its place.
     """
     if format == "safetensors":
         target = out_dir / f"{model}.safetensors"
     else:
         target = out_dir / model if several else out_dir
-    staging = out_dir / f".{model}.partial"
     if make_room:
-        clear(staging)
-        if target != out_dir and format == "hf" and (target.is_symlink()
-                                                    or not target.is_dir()):
-            clear(target)
-    return target, staging
+        directory = open_dir(out_dir, create=True, follow=True)
+        try:
+            prefix = staging_prefix(model)
+            for name in os.listdir(directory):
+                if name == prefix or name.startswith(f"{prefix}."):
+                    with contextlib.suppress(OSError):  # leftovers: the next export retries
+                        clear(directory, name)
+            if target != out_dir and format == "hf":
+                clear(directory, target.name, keep_directory=True)
+        finally:
+            os.close(directory)
+    return target
 
 
-def clear(path: Path) -> None:
-    """Remove the file, link or directory tree at ``path``; a link is removed, not followed."""
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path)
+def clear(directory: int, name: str, keep_directory: bool = False) -> None:
+    """Remove the entry ``name`` of the directory open as ``directory``: a file or link
+    (removed, never followed), or a directory tree unless ``keep_directory``."""
+    try:
+        mode = os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(mode):
+        os.unlink(name, dir_fd=directory)
+    elif not keep_directory:
+        shutil.rmtree(name, dir_fd=directory)  # by descriptor: follows no link inside
 
 
-def _publish(staging: Path, target: Path, count: int, model: nn.Module | None) -> None:
+def _shared_staging(out_dir: Path, model: str) -> Staging:
+    """The staging directory rank 0 creates and every rank opens (collective)."""
+    staging: Staging | None = None
+    problem: Exception | None = None
+    if is_rank_zero():
+        try:
+            staging = Staging(out_dir, model)
+        except (OSError, CheckpointError) as exc:
+            problem = exc
+    shared = from_rank_zero(problem or (staging.name if staging is not None else None))
+    if isinstance(shared, Exception):
+        raise shared
+    return staging if staging is not None else Staging(out_dir, model, name=shared)
+
+
+def _publish(staging: Staging, target: Path, count: int, model: nn.Module | None) -> None:
     """Give the consolidated files their final names and move them to ``target``; a
     directory target keeps its other files (a tokenizer) but loses its old weight files."""
-    shutil.rmtree(staging / "sharded")
-    produced = sorted(staging.glob("*.safetensors"))
-    if model is None:  # one file per model: a rename replaces a link without following it
-        produced[0].replace(target)
-        shutil.rmtree(staging)
+    staging.remove("sharded")
+    produced = sorted(name for name in staging.names() if name.endswith(".safetensors"))
+    if model is None:  # one file per model
+        for name in staging.names():
+            if name != produced[0]:
+                staging.remove(name)
+        replace_file(staging, produced[0], target)
         return
     if count == 1:
-        produced[0].replace(staging / WEIGHTS)
-        (staging / INDEX).unlink()
-    write_model_config(model, staging)
+        staging.move(produced[0], staging.fd, WEIGHTS)
+        staging.remove(INDEX)
+    write_model_config(model, staging.path)
     replace_weights(staging, target)
 
 
@@ -351,20 +395,53 @@ def write_model_config(model: nn.Module, directory: Path) -> None:
         generation.save_pretrained(str(directory))
 
 
-def replace_weights(staging: Path, target: Path) -> None:
-    """Move the files of ``staging`` into ``target`` and remove ``staging``.
+def replace_weights(staging: Staging, target: Path) -> None:
+    """Move the files of ``staging`` into ``target`` (its ``out_dir``, or a directory
+    directly in it) and remove ``staging``.
 
     The weights are written completely elsewhere first, so a failed export leaves the old
     ones intact; the old weight files of ``target`` go only once the new ones exist, while
-    its other files (a tokenizer, a config) stay. Entries are unlinked and renamed, so a
-    link in ``target`` is replaced, never written through.
+    its other files (a tokenizer, a config) stay. Everything goes through descriptors:
+    entries are unlinked and renamed, so a link in ``target`` is replaced, never written
+    through, and a link planted as ``target`` or as the staging name is never followed.
+
+    Raises:
+        CheckpointError: if the staging name no longer names the staging directory.
+        LinkRefused: if ``target`` is a link.
     """
-    target.mkdir(parents=True, exist_ok=True)
-    for old in [*target.glob("*.safetensors"), target / INDEX]:
-        old.unlink(missing_ok=True)
-    for file in staging.iterdir():
-        file.replace(target / file.name)
-    staging.rmdir()
+    staging.check()
+    directory = staging.open_out()
+    try:
+        if target != staging.out_dir:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(target.name, dir_fd=directory)
+            inner = open_inside(directory, target.name, target)
+            os.close(directory)
+            directory = inner
+        for name in os.listdir(directory):
+            if is_weight_file(name):
+                clear(directory, name, keep_directory=True)
+        for name in staging.names():
+            staging.move(name, directory)
+    finally:
+        os.close(directory)
+    staging.finish()
+
+
+def replace_file(staging: Staging, name: str, target: Path) -> None:
+    """Rename the file ``name`` of ``staging`` to ``target`` (in its ``out_dir``; a link
+    there is replaced, never followed), and remove ``staging``.
+
+    Raises:
+        CheckpointError: if the staging name no longer names the staging directory.
+    """
+    staging.check()
+    directory = staging.open_out()
+    try:
+        staging.move(name, directory, target.name)
+    finally:
+        os.close(directory)
+    staging.finish()
 
 
 def check_out_dir_on_rank_zero(out_dir: Any, overwrite: bool, files: Files) -> None:
