@@ -7,7 +7,8 @@ nothing here reads, stores or logs them.
 An object is written whole by one PUT, so a reader sees a file complete or not at all; a
 checkpoint is complete once its ``dream_trainer.json`` is written, last, as on a disk. The
 run lock is an object created with a conditional write (``If-None-Match: *``): of two runs,
-one creates it and the other is refused.
+one creates it and the other is refused. Only S3 (s3fs 2024.12 or newer) is known to make
+that write atomic: an older s3fs is refused at first use, and another scheme's lock at setup.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import functools
 import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,11 +38,21 @@ _CLIENT_ENVIRONMENT = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE",
                        "AWS_ACCESS_KEY_ID", "AWS_DEFAULT_REGION", "AWS_REGION")
 
 
+S3FS_CONDITIONAL_CREATE = "2024.12"
+"""The first s3fs whose ``pipe_file(mode="create")`` is a conditional PUT (``If-None-Match:
+*``, s3fs 2024.12.0, "exclusive write"): older ones have no ``mode`` or ignore it, so two
+runs could both create the lock."""
+
+_S3_SCHEMES = ("s3", "s3a")
+"""The schemes whose lock is a conditional create this module has checked (s3fs's)."""
+
+
 def object_storage(path: ObjectPath) -> ObjectStorage:
     """The storage of ``path``'s scheme (one client per scheme and environment).
 
     Raises:
-        CheckpointError: if the scheme's fsspec implementation is not installed.
+        CheckpointError: if the scheme's fsspec implementation is not installed, or is an
+            s3fs older than ``S3FS_CONDITIONAL_CREATE``.
     """
     return _storage(path.url.split("://", 1)[0],
                     tuple(os.environ.get(name) for name in _CLIENT_ENVIRONMENT))
@@ -53,14 +65,50 @@ def _storage(scheme: str, environment: tuple[str | None, ...]) -> ObjectStorage:
     try:
         filesystem = fsspec.get_filesystem_class(scheme)
     except ImportError as exc:
-        extra = " (pip install 'dream-trainer[s3]')" if scheme in ("s3", "s3a") else ""
+        extra = " (pip install 'dream-trainer[s3]')" if scheme in _S3_SCHEMES else ""
         raise CheckpointError(f"checkpoints at {scheme}:// URLs need fsspec's {scheme} "
                               f"filesystem, which is not installed{extra}: {exc}") from exc
+    if scheme in _S3_SCHEMES:
+        _check_s3fs()
     # fsspec caches clients by their arguments, not the environment they were made in: the
     # ones DCP's writer gets must not predate this one.
     filesystem.clear_instance_cache()
     # Listings are never cached: other ranks and runs write the same prefixes.
     return ObjectStorage(filesystem(use_listings_cache=False))
+
+
+def _check_s3fs() -> None:
+    import s3fs
+
+    installed = str(getattr(s3fs, "__version__", "of unknown version"))
+    if _release(installed) < _release(S3FS_CONDITIONAL_CREATE):
+        raise CheckpointError(
+            f"s3fs {installed} is installed, but s3:// URLs need s3fs>={S3FS_CONDITIONAL_CREATE}"
+            ": an older s3fs writes the run lock object unconditionally (no If-None-Match: *),"
+            " so two runs of one experiment could both hold it and delete each other's "
+            f"checkpoints. Fix: pip install 's3fs>={S3FS_CONDITIONAL_CREATE}' (or pip install "
+            "'dream-trainer[s3]')")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading release numbers of ``version`` (``2024.12.0.dev3`` gives (2024, 12, 0);
+    none gives (), older than any). packaging is not a dependency, and s3fs versions are
+    plain dates."""
+    numbers = re.match(r"\d+(\.\d+)*", version)
+    return tuple(int(n) for n in numbers.group().split(".")) if numbers else ()
+
+
+def _lock_problem(path: ObjectPath) -> str | None:
+    """Why no run lock that keeps two runs apart can be made at ``path``, or None."""
+    scheme = path.url.split("://", 1)[0]
+    if scheme in _S3_SCHEMES:
+        return None
+    return (f"the run lock at {path} needs a create-if-absent that the store makes atomic, "
+            f"which dream_trainer has checked only for S3 (s3fs's conditional PUT), not for "
+            f"fsspec's {scheme} filesystem: two runs there could both hold it and delete each "
+            "other's checkpoints. Write checkpoints under an s3:// URL (AWS S3, or an "
+            "S3-compatible service that honours If-None-Match) or a local or shared path; "
+            f"resume and init_weights_from may still read from {scheme}:// URLs")
 
 
 def _failures() -> tuple[type[BaseException], ...]:
@@ -178,7 +226,10 @@ class ObjectStorage(Storage):
     def access_problem(self, path: ObjectPath, probe: str | None = None) -> str | None:
         """See ``Storage.access_problem``: a listing of ``path`` (one request), and with a
         ``probe`` a PUT and a DELETE of an empty object, so that a missing bucket, missing
-        credentials or a read-only key fail before a run builds its models."""
+        credentials, a read-only key or a store the run lock cannot be made atomic in (see
+        ``ObjectLock``) fail before a run builds its models."""
+        if probe is not None and (problem := _lock_problem(path)) is not None:
+            return problem
         try:
             self.list_dir(path)  # raises for a missing bucket, unlike isdir
             if probe is not None:
@@ -219,10 +270,13 @@ class ObjectLock:
     """One run at a time per experiment in an object store: ``<directory>/.lock`` created by a
     conditional write, holding the same record as ``checkpoint.lock.RunLock``'s file.
 
-    The store cannot tell whether a holder still runs. A record naming a dead process on
-    this kernel (a killed run restarted on the same machine) is taken over through the
-    conditional creation of ``.lock.takeover``, so that of several runs exactly one wins;
-    a holder on another machine is refused: delete the lock object once that run is gone.
+    A store that ignored the condition would let two runs both create the lock, so each
+    creation is repeated, and must now be refused, then read back; only S3 URLs are locked
+    (see ``_lock_problem``). The store cannot tell whether a holder still runs. A record
+    naming a dead process on this kernel (a killed run restarted on the same machine) is
+    taken over through the conditional creation of ``.lock.takeover``, so that of several
+    runs exactly one wins; a holder on another machine is refused: delete the lock object
+    once that run is gone.
 
     Args:
         storage: The object store.
@@ -239,36 +293,71 @@ class ObjectLock:
         """Take the lock.
 
         Raises:
-            CheckpointError: naming the holder if another run holds it, or the URL and the
-                fix if the store cannot be written.
+            CheckpointError: naming the holder if another run holds it, the reason if the
+                store cannot make the lock atomic, or the URL and the fix if the store
+                cannot be written.
         """
+        problem = _lock_problem(self.path.parent)
+        if problem is not None:
+            raise CheckpointError(problem)
         try:
             if not self._create(self.path):
                 self._take_over()
-        except self.storage.failures as exc:
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any other answer is no lock, never success
             raise CheckpointError(f"cannot take the run lock {self.path}: "
                                   f"{self.storage.explain(self.path, exc)}") from exc
         self.held = True
 
     def release(self) -> None:
-        """Delete the lock object if this run still holds it."""
+        """Delete the lock object if this run still holds it; never raises (a client that
+        fails is logged, naming the object left behind)."""
         if not self.held:
             return
         self.held = False
         try:
             if self._read() == self.holder:
                 self.storage.fs.rm_file(self.path.url)
-        except self.storage.failures as exc:
-            logger.warning("could not release the run lock %s: %s", self.path,
-                           self.storage.explain(self.path, exc))
+        except Exception as exc:  # noqa: BLE001 - teardown must not fail on the client
+            self._left(self.path, exc)
+
+    def _left(self, path: ObjectPath, exc: BaseException) -> None:
+        logger.warning("could not delete %s, so it is left in the store: delete it before "
+                       "this experiment runs again from another machine (%s)", path,
+                       self.storage.advice(path, exc) or
+                       (f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__))
 
     def _create(self, path: ObjectPath) -> bool:
-        """Write this run's record to ``path`` if no object is there; whether it was."""
+        """Write this run's record to ``path`` if no object is there; whether it was.
+
+        Raises:
+            CheckpointError: if the store created the object twice (it ignores
+                ``If-None-Match``), or what was created is not this run's record.
+        """
+        record = json.dumps(asdict(self.holder)).encode()
         try:
-            self.storage.fs.pipe_file(path.url, json.dumps(asdict(self.holder)).encode(),
-                                      mode="create")
-        except FileExistsError:
+            self.storage.fs.pipe_file(path.url, record, mode="create")
+        except FileExistsError:  # s3fs's answer to 412 Precondition Failed
             return False
+        # The same create again must be refused now: a store that ignores the condition
+        # would let every run "create" the lock, and a read-back alone misses a run that
+        # writes after it.
+        try:
+            self.storage.fs.pipe_file(path.url, record, mode="create")
+        except FileExistsError:
+            pass
+        else:
+            raise CheckpointError(
+                f"the object store created {path} twice: it ignores the condition "
+                "If-None-Match: *, so the run lock cannot keep two runs apart there. Use a "
+                "store that honours conditional writes (AWS S3 does) or a local path for "
+                f"checkpoints, and delete {path}")
+        if self.storage.read_bytes(path) != record:
+            raise CheckpointError(
+                f"{path} does not hold this run's record right after it was created: another "
+                f"writer replaced it, so the store's conditional writes cannot be trusted; "
+                f"stop the other run and delete {path}")
         return True
 
     def _read(self) -> LockHolder | str | None:
@@ -307,7 +396,10 @@ class ObjectLock:
                                "running (%s)", self.path.parent, current.describe())
             self.storage.write_bytes(self.path, json.dumps(asdict(self.holder)).encode())
         finally:
-            self.storage.fs.rm_file(marker.url)
+            try:
+                self.storage.fs.rm_file(marker.url)
+            except Exception as exc:  # noqa: BLE001 - would hide the outcome of the take-over
+                self._left(marker, exc)
 
     def _mine(self, current: LockHolder) -> bool:
         """Whether ``current`` is this very process: an earlier trainer of it that could not

@@ -85,3 +85,27 @@ def s3_server(bucket: str = BUCKET) -> Iterator[S3Server]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def lock_contender(tasks: Any, results: Any, barrier: Any) -> None:
+    """A run racing for object-store locks, in a process of its own (``tests/checkpoint/s3/
+    test_lock_race.py``): per URL from ``tasks`` (None ends it), wait on ``barrier`` with the
+    other contender, try ``ObjectLock(...).acquire()``, put ``(pid, "held" or the error)``
+    on ``results``, and release only after both have tried (an earlier release would let
+    the other take the lock legitimately, a second winner in sequence, not in a race)."""
+    from dream_trainer.checkpoint.object_store import ObjectLock
+    from dream_trainer.checkpoint.storage import location, storage_for
+    from dream_trainer.errors import CheckpointError
+
+    while (url := tasks.get()) is not None:
+        root = location(url)
+        lock = ObjectLock(storage_for(root), root)  # type: ignore[arg-type]
+        barrier.wait()
+        try:
+            lock.acquire()
+            outcome = "held"
+        except CheckpointError as exc:
+            outcome = str(exc)
+        results.put((os.getpid(), outcome))
+        barrier.wait()
+        lock.release()
