@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dream_trainer.checkpoint.agreement import find_problem
+from dream_trainer.checkpoint.agreement import find_problem, load_failure
 from dream_trainer.checkpoint.export import model_tensors
 from dream_trainer.checkpoint.layout import MODEL_PREFIX, CheckpointError, is_complete
 from dream_trainer.checkpoint.storage import Location, location, storage_for
@@ -174,6 +174,7 @@ class PretrainedWeights:
                 set (it would train on NaN).
         """
         from torch.distributed.checkpoint import load
+        from torch.distributed.checkpoint.api import CheckpointException
 
         from dream_trainer.weights.hf_reader import BoxPlanner
 
@@ -200,9 +201,8 @@ class PretrainedWeights:
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                     load(fit.targets, storage_reader=source.reader,
                          planner=BoxPlanner(fit.boxes))
-            except Exception as exc:
-                raise CheckpointError(f"failed to load {path} into model {name!r}: "
-                                      f"{exc}") from exc
+            except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+                raise load_failure(exc, f"failed to load {path} into model {name!r}") from exc
             with torch.no_grad():
                 for whole, transform, target in fit.transformed:
                     _fill(target, transform.model_tensor(whole))

@@ -200,7 +200,16 @@ def reader_class() -> type:
             if not isinstance(tensor, torch.Tensor):
                 raise CheckpointError(f"{source} should hold a tensor, not a "
                                       f"{type(tensor).__name__}")
-            tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+            stored = tuple(tensor.size())
+            offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
+            if len(stored) != len(lengths) or any(
+                    start + length > size for start, length, size in zip(offsets, lengths,
+                                                                         stored)):
+                raise CheckpointError(f"{source} holds a tensor of size {stored}, which does not "
+                                      f"hold the part the metadata reads from it (offsets "
+                                      f"{offsets}, sizes {lengths}): the file or its metadata "
+                                      "was altered; resume from an earlier checkpoint")
+            tensor = narrow_tensor_by_index(tensor, offsets, lengths)
             target = planner.resolve_tensor(item).detach()
             if target.size() != tensor.size():
                 raise CheckpointError(f"{source} holds a chunk of size {tuple(tensor.size())} "
