@@ -6,12 +6,8 @@ megabytes, on every path that reads a checkpoint (resume, ``init_weights_from``,
 from __future__ import annotations
 
 import io
-import json
 import pickle
 import re
-import shutil
-import subprocess
-import sys
 import time
 import zipfile
 from collections.abc import Callable
@@ -27,11 +23,9 @@ from dream_trainer.checkpoint.safe_pickle import loads
 from dream_trainer.checkpoint.state import join_tensors, unpack
 from dream_trainer.checkpoint.torch_archive import VIEW_BASE, VIEW_MULTIPLE, load_archive
 from dream_trainer.errors import CheckpointError
-from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config
-from tests.helpers.crafted import (claims_more_than_it_holds, dag_key, packed, rechecksum,
-                                   replace_stored, shared_lists, stored, tensor_index,
-                                   with_packed_extra)
-from tests.helpers.launch import REPO, child_env
+from tests.helpers.crafted import (claims_more_than_it_holds, dag_key, measure_reads,
+                                   one_epoch_checkpoint, packed, rechecksum, replace_stored,
+                                   shared_lists, stored, tensor_index, with_packed_extra)
 
 SECONDS = 5.0
 """Most a crafted read may take (each is refused in milliseconds; unbounded, they would take
@@ -176,13 +170,7 @@ def test_a_deep_legal_state_unpacks_and_joins_below_a_deep_caller() -> None:
 # -- every entry point, measured in one process ---------------------------------------------
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A normal checkpoint of a one-epoch run (step_10)."""
-    root = tmp_path_factory.mktemp("clean")
-    config = checkpointed_config(root, resume=None, every_n_steps=None)
-    CheckpointedTrainer(config.model_copy(update={
-        "training_parameters": config.training_parameters.model_copy(update={"n_epochs": 1})
-    })).fit()
-    return root / "ckpt/tests/run/checkpoints/step_10"
+    return one_epoch_checkpoint(tmp_path_factory.mktemp("clean"))
 
 
 def _dag_metadata(checkpoint: Path) -> int:
@@ -232,28 +220,7 @@ INPUTS: dict[str, tuple[Callable[[Path], int], tuple[str, ...], str | None]] = {
 
 @pytest.fixture(scope="module")
 def costs(clean: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Each input read through each of its entry points, in that order, in one process:
-    ``{"name/entry": {"seconds", "peak", "error", "size"}, "warm": peak after the honest
-    reads}``."""
-    work = tmp_path_factory.mktemp("crafted")
-    cases, sizes = [], {}
-    for name, (craft, entries, _) in INPUTS.items():
-        checkpoint = work / name / "step_10"
-        shutil.copytree(clean, checkpoint)
-        size = craft(checkpoint)
-        for entry in entries:
-            cases.append({"name": f"{name}/{entry}", "entry": entry,
-                          "checkpoint": str(checkpoint), "root": str(work / name / entry)})
-            sizes[f"{name}/{entry}"] = size
-    (work / "cases.json").write_text(json.dumps(cases))
-    result = subprocess.run([sys.executable, str(REPO / "tests/scripts/crafted_costs.py"),
-                             str(work / "cases.json")], capture_output=True, text=True,
-                            env=child_env(), cwd=REPO, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    measured = {case["name"]: {**case, "size": sizes[case["name"]]}
-                for case in report["cases"]}
-    return {**measured, "warm": measured["honest/export"]["peak"]}
+    return measure_reads(INPUTS, clean, tmp_path_factory.mktemp("crafted"), "honest/export")
 
 
 @pytest.mark.parametrize("case", [f"{name}/{entry}" for name, (_, entries, _) in INPUTS.items()

@@ -10,9 +10,6 @@ import dataclasses
 import json
 import pickle
 import re
-import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,8 +27,7 @@ from dream_trainer.checkpoint.layout import INFO, METADATA, checksum
 from dream_trainer.errors import CheckpointError
 from dream_trainer.weights.hf import Files
 from dream_trainer.weights.hf_reader import SliceReader, _check_coverage
-from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config
-from tests.helpers.launch import REPO, child_env
+from tests.helpers.crafted import measure_reads, one_epoch_checkpoint
 
 SECONDS = 5.0
 """Most a crafted read may take (each is refused in milliseconds)."""
@@ -40,7 +36,6 @@ MEMORY_CONSTANT = 64 << 20
 """A crafted read may grow the peak resident memory by at most 8 times the checkpoint's
 bytes plus 64 MiB (Python objects of the metadata, an error's traceback): far below the
 1 GiB the crafted sizes declare."""
-STEPS = "ckpt/tests/run/checkpoints"
 HUGE = (16384, 16384)  # float32: 1 GiB declared
 MODEL_KEY = "state.models.model.0.weight"
 
@@ -48,12 +43,7 @@ MODEL_KEY = "state.models.model.0.weight"
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A one-epoch toy run's step_10 (about 90 KB)."""
-    root = tmp_path_factory.mktemp("run")
-    config = checkpointed_config(root, resume=None)
-    CheckpointedTrainer(config.model_copy(update={"training_parameters": config
-                                                  .training_parameters.model_copy(
-                                                      update={"n_epochs": 1})})).fit()
-    return root / STEPS / "step_10"
+    return one_epoch_checkpoint(tmp_path_factory.mktemp("run"))
 
 
 def read_metadata(checkpoint: Path) -> Any:
@@ -157,32 +147,14 @@ INPUTS: dict[str, tuple[Callable[[Path], int], tuple[str, ...], str | None]] = {
 
 @pytest.fixture(scope="module")
 def costs(clean: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Each input read through each of its entry points, in that order, in one process:
-    ``{"name/entry": {"seconds", "peak", "error", "size"}, "warm": peak after the honest
-    reads}``."""
-    work = tmp_path_factory.mktemp("declared")
-    cases, sizes = [], {}
-    for name, (craft, entries, _) in INPUTS.items():
-        checkpoint = work / name / "step_10"
-        shutil.copytree(clean, checkpoint)
-        size = craft(checkpoint)
-        for entry in entries:
-            cases.append({"name": f"{name}/{entry}", "entry": entry,
-                          "checkpoint": str(checkpoint), "root": str(work / name / entry)})
-            sizes[f"{name}/{entry}"] = size
-    (work / "cases.json").write_text(json.dumps(cases))
-    result = subprocess.run([sys.executable, str(REPO / "tests/scripts/declared_costs.py"),
-                             str(work / "cases.json")], capture_output=True, text=True,
-                            env=child_env(), cwd=REPO, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    measured = {case["name"]: {**case, "size": sizes[case["name"]]}
-                for case in report["cases"]}
+    measured = measure_reads(INPUTS, clean, tmp_path_factory.mktemp("declared"),
+                             "honest/resume")
     print(json.dumps({name: {"seconds": round(case["seconds"], 3),
                              "peak_growth_mib": round((case["peak"] - measured[
                                  "honest/resume"]["peak"]) / 2**20, 1),
-                             "size": case["size"]} for name, case in measured.items()}))
-    return {**measured, "warm": measured["honest/resume"]["peak"]}
+                             "size": case["size"]} for name, case in measured.items()
+                      if name != "warm"}))
+    return measured
 
 
 @pytest.mark.parametrize("case", [f"{name}/{entry}" for name, (_, entries, _) in INPUTS.items()

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import io
-import pickle
 import shutil
 from pathlib import Path
 
@@ -13,43 +11,25 @@ import pytest
 import torch
 
 from dream_trainer.checkpoint import CheckpointError, export_checkpoint
-from dream_trainer.checkpoint.layout import METADATA, MODEL_PREFIX
-from tests.checkpoint.test_safe_loading import _rechecksum
-from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config
+from dream_trainer.checkpoint.layout import MODEL_PREFIX
+from tests.helpers.crafted import (metadata_of, one_epoch_checkpoint, packed, replace_stored,
+                                   stored)
 
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("clean")
-    config = checkpointed_config(root, resume=None, every_n_steps=None)
-    CheckpointedTrainer(config.model_copy(update={
-        "training_parameters": config.training_parameters.model_copy(update={"n_epochs": 1})
-    })).fit()
-    return root / "ckpt/tests/run/checkpoints/step_10"
+    return one_epoch_checkpoint(tmp_path_factory.mktemp("clean"))
 
 
 def _reshape_weight(checkpoint: Path) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """Store one 2-d model weight transposed (same bytes, another shape), the metadata and
     checksums rewritten to match the file: (its key, the stored shape, the declared one)."""
-    metadata = pickle.loads((checkpoint / METADATA).read_bytes())  # our own file
-    index, info = next((index, info) for index, info in metadata.storage_data.items()
-                       if index.fqn.startswith(MODEL_PREFIX)
-                       and len(metadata.state_dict_metadata[index.fqn].size) == 2
-                       and len(set(metadata.state_dict_metadata[index.fqn].size)) == 2)
-    data = (checkpoint / info.relative_path).read_bytes()
-    weight = torch.load(io.BytesIO(data[info.offset:info.offset + info.length]))
-    blob = io.BytesIO()
-    torch.save(weight.t().contiguous(), blob)
-    blob_bytes = blob.getvalue()
-    shift = len(blob_bytes) - info.length
-    (checkpoint / info.relative_path).write_bytes(
-        data[:info.offset] + blob_bytes + data[info.offset + info.length:])
-    for key, other in list(metadata.storage_data.items()):
-        if other.relative_path == info.relative_path and other.offset > info.offset:
-            metadata.storage_data[key] = dataclasses.replace(other, offset=other.offset + shift)
-    metadata.storage_data[index] = dataclasses.replace(info, length=len(blob_bytes))
-    (checkpoint / METADATA).write_bytes(pickle.dumps(metadata))
-    _rechecksum(checkpoint)
+    metadata = metadata_of(checkpoint)
+    index = next(index for index in metadata.storage_data
+                 if index.fqn.startswith(MODEL_PREFIX)
+                 and len(set(metadata.state_dict_metadata[index.fqn].size)) == 2)
+    weight = torch.load(io.BytesIO(stored(checkpoint, index)))
+    replace_stored(checkpoint, index, packed(weight.t().contiguous()))
     return index.fqn, tuple(weight.t().shape), tuple(weight.shape)
 
 

@@ -9,14 +9,58 @@ import dataclasses
 import io
 import json
 import pickle
+import shutil
 import struct
+import subprocess
+import sys
 import zipfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dream_trainer.checkpoint.layout import INFO, METADATA, checksum
+from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config
+from tests.helpers.launch import REPO, child_env
+
+Craft = Callable[[Path], int]
+"""Alters a copy of a checkpoint in place; returns the crafted file's (or item's) bytes."""
+
+
+def one_epoch_checkpoint(root: Path) -> Path:
+    """A normal checkpoint of a one-epoch toy run under ``root`` (its step_10, ~90 KB)."""
+    config = checkpointed_config(root, resume=None, every_n_steps=None)
+    CheckpointedTrainer(config.model_copy(update={
+        "training_parameters": config.training_parameters.model_copy(update={"n_epochs": 1})
+    })).fit()
+    return root / "ckpt/tests/run/checkpoints/step_10"
+
+
+def measure_reads(inputs: Mapping[str, tuple[Craft, tuple[str, ...], Any]], clean: Path,
+                  work: Path, warm: str) -> dict[str, Any]:
+    """Each input (name: craft, entry points, expected) crafted on a copy of ``clean`` and
+    read through each of its entry points, in that order, in one process
+    (tests/scripts/crafted_costs.py): ``{"name/entry": {"seconds", "peak", "error",
+    "size"}, "warm": the peak after the case ``warm``}``."""
+    cases, sizes = [], {}
+    for name, (craft, entries, _) in inputs.items():
+        checkpoint = work / name / "step_10"
+        shutil.copytree(clean, checkpoint)
+        size = craft(checkpoint)
+        for entry in entries:
+            cases.append({"name": f"{name}/{entry}", "entry": entry,
+                          "checkpoint": str(checkpoint), "root": str(work / name / entry)})
+            sizes[f"{name}/{entry}"] = size
+    (work / "cases.json").write_text(json.dumps(cases))
+    result = subprocess.run([sys.executable, str(REPO / "tests/scripts/crafted_costs.py"),
+                             str(work / "cases.json")], capture_output=True, text=True,
+                            env=child_env(), cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    measured = {case["name"]: {**case, "size": sizes[case["name"]]}
+                for case in report["cases"]}
+    return {**measured, "warm": measured[warm]["peak"]}
 
 
 def rechecksum(checkpoint: Path) -> None:

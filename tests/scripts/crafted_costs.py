@@ -1,12 +1,10 @@
 """Read checkpoints through each entry point in one process and print what each read cost.
 
-Usage: ``python crafted_costs.py CASES.json``, where the file lists
-``{"name", "entry": "resume" | "init" | "export", "checkpoint", "root"}``. Prints one JSON
-object: ``after_imports`` (peak resident bytes then) and, per case in order, its seconds,
-the peak resident bytes after it (``ru_maxrss`` only grows: a case's cost is the growth
-over the cases before it) and the error it raised, if any, as ``Type: message`` (DCP
-reports an error raised while it reads as its own ``CheckpointException``, a
-``BaseException`` that holds ours).
+Usage: ``python crafted_costs.py CASES.json``, where the file lists ``{"name", "entry":
+"resume" | "init" | "export" | "export_hf", "checkpoint", "root"}``. Prints one JSON object:
+``after_imports`` (peak resident bytes then) and, per case in order, its seconds, the peak
+resident bytes after it (``ru_maxrss`` only grows: a case's cost is the growth over the
+cases before it) and the error it raised, if any, as ``Type: message``.
 """
 
 from __future__ import annotations
@@ -41,6 +39,8 @@ def read(entry: str, checkpoint: Path, root: Path) -> None:
     elif entry == "init":
         config = one_epoch(root, resume=None, every_n_steps=None)
         CheckpointedTrainer(config.model_copy(update={"init_weights_from": checkpoint})).fit()
+    elif entry == "export_hf":
+        export_checkpoint(checkpoint, root / "exported", format="hf", model_type="mixtral")
     else:
         export_checkpoint(checkpoint, root / "exported")
 

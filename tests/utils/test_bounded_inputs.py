@@ -25,12 +25,11 @@ from dream_trainer.utils.bounded import MAX_INDEX_BYTES, MAX_JSON_BYTES
 from dream_trainer.utils.paths import component_problem
 from dream_trainer.utils.text import printable
 from dream_trainer.weights.hf import check_hf_dir
-from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config
+from tests.helpers.crafted import one_epoch_checkpoint
 
 SECONDS = 5.0
 """Most a crafted input may take (each is handled in well under a second; the quadratic
 versions took minutes to hours)."""
-STEPS = "ckpt/tests/run/checkpoints"
 ESCAPES = "\x1b]0;owned\x07\x1b[2J"
 """Retitles the terminal's window and clears its screen when printed raw."""
 
@@ -44,12 +43,7 @@ def oversized(path: Path, size: int) -> None:
 # -- every JSON file is bounded -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("run")
-    config = checkpointed_config(root, resume=None)
-    CheckpointedTrainer(config.model_copy(update={"training_parameters": config
-                                                  .training_parameters.model_copy(
-                                                      update={"n_epochs": 1})})).fit()
-    return root / STEPS / "step_10"
+    return one_epoch_checkpoint(tmp_path_factory.mktemp("run"))
 
 
 def limit_message(path: Path, size: int, limit: int) -> str:
