@@ -14,13 +14,14 @@ own size.
 from __future__ import annotations
 
 import math
-from typing import Any
-
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from typing import TYPE_CHECKING, Any
 
 from dream_trainer.errors import CheckpointError
 from dream_trainer.utils.boxes import tiling_problem
 from dream_trainer.utils.text import printable
+
+if TYPE_CHECKING:  # DCP takes about a second to import, which import dream_trainer should not
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 _SHOWN = 4  # chunks an error lists
 
@@ -32,6 +33,8 @@ def check_declared_sizes(source: Any, metadata: Any) -> None:
     Raises:
         CheckpointError: naming ``source``, the tensor, and what is wrong.
     """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     for fqn, entry in metadata.state_dict_metadata.items():
         if isinstance(entry, TensorStorageMetadata):
             problem = _problem(fqn, entry, metadata.storage_data)
@@ -45,6 +48,8 @@ def check_declared_sizes(source: Any, metadata: Any) -> None:
 
 def _problem(fqn: str, entry: TensorStorageMetadata, storage_data: Any) -> str | None:
     """What keeps ``entry``'s declared size from being backed by stored bytes, or None."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
     size = tuple(entry.size)
     if not all(type(n) is int and n >= 0 for n in size):
         return "its size is not a list of element counts"
