@@ -6,6 +6,7 @@ megabytes, on every path that reads a checkpoint (resume, ``init_weights_from``,
 from __future__ import annotations
 
 import io
+import json
 import pickle
 import re
 import time
@@ -18,14 +19,15 @@ import pytest
 import torch
 
 from dream_trainer.checkpoint.budget import BASE_VALUES, EXPANSION, MAX_DEPTH
-from dream_trainer.checkpoint.layout import METADATA
+from dream_trainer.checkpoint.layout import CONFIG, METADATA
 from dream_trainer.checkpoint.safe_pickle import loads
 from dream_trainer.checkpoint.state import join_tensors, unpack
 from dream_trainer.checkpoint.torch_archive import VIEW_BASE, VIEW_MULTIPLE, load_archive
 from dream_trainer.errors import CheckpointError
-from tests.helpers.crafted import (claims_more_than_it_holds, dag_key, measure_reads,
-                                   one_epoch_checkpoint, packed, rechecksum, replace_stored,
-                                   shared_lists, stored, tensor_index, with_packed_extra)
+from tests.helpers.crafted import (claims_more_than_it_holds, dag_key, deep_config,
+                                   measure_reads, one_epoch_checkpoint, packed, rechecksum,
+                                   replace_stored, shared_lists, stored, tensor_index,
+                                   with_packed_extra)
 
 SECONDS = 5.0
 """Most a crafted read may take (each is refused in milliseconds; unbounded, they would take
@@ -180,6 +182,15 @@ def _dag_metadata(checkpoint: Path) -> int:
     return len(crafted)
 
 
+def _deep_config(checkpoint: Path) -> int:
+    # The 164 KB config.json whose diff on resume cost 1.5 GiB (every leaf's dotted name as
+    # long as the file): read and diffed in linear memory, the resume goes on.
+    text = json.dumps(deep_config(depth=900, leaves=150, key="k" * 150))
+    (checkpoint / CONFIG).write_text(text)
+    rechecksum(checkpoint)
+    return len(text)
+
+
 def _in_weight(blob: bytes) -> Callable[[Path], int]:
     def craft(checkpoint: Path) -> int:
         replace_stored(checkpoint, tensor_index(checkpoint), blob)
@@ -204,6 +215,7 @@ INPUTS: dict[str, tuple[Callable[[Path], int], tuple[str, ...], str | None]] = {
                        ("resume", "init", "export"),
                        rf"\(item state\.models\.\S+\) cannot be read safely: it holds a member "
                        rf"'archive/data/0' of {768 << 20} bytes where the archive of"),
+    "deep_config": (_deep_config, ("resume",), None),
     "shared_lists": (_in_packed_state(log=shared_lists(40)), ("resume",),
                      rf"\(item state\.objects\) cannot be read safely: {EXPANDS}"),
     "rows_of_one_storage": (_in_packed_state(rows=[_BASE[i * 682:(i + 1) * 682]

@@ -128,6 +128,19 @@ def with_packed_extra(checkpoint: Path, **extra: Any) -> None:
 
 
 # -- the inputs -----------------------------------------------------------------------------
+def deep_config(depth: int, leaves: int, key: str) -> dict[str, Any]:
+    """A config nested ``depth`` levels under long keys, three leaves a level: every leaf's
+    dotted name is as long as the file, so joining them all is quadratic."""
+    tree: dict[str, Any] = {}
+    node = tree
+    for _ in range(depth):
+        node.update({f"l{j}": j for j in range(3)})
+        node[key] = {}
+        node = node[key]
+    node.update({f"x{j}": j for j in range(leaves)})
+    return tree
+
+
 def dag_key(depth: int) -> bytes:
     """Opcodes that build ``{t_depth: 1}`` with ``t_i = (t_(i-1), t_(i-1))`` (``DUP`` shares
     each level, so the key takes 2 bytes a level and expands to 2**depth values), then drop

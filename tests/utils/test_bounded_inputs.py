@@ -25,7 +25,7 @@ from dream_trainer.utils.bounded import MAX_INDEX_BYTES, MAX_JSON_BYTES
 from dream_trainer.utils.paths import component_problem
 from dream_trainer.utils.text import printable
 from dream_trainer.weights.hf import check_hf_dir
-from tests.helpers.crafted import one_epoch_checkpoint
+from tests.helpers.crafted import deep_config, one_epoch_checkpoint
 
 SECONDS = 5.0
 """Most a crafted input may take (each is handled in well under a second; the quadratic
@@ -94,19 +94,6 @@ def test_an_oversized_hang_record_is_refused_unread(tmp_path: Path) -> None:
 
 
 # -- the config diff is linear ------------------------------------------------------------------
-def deep_config(depth: int, leaves: int, key: str) -> dict[str, Any]:
-    """A config nested ``depth`` levels under long keys, three leaves a level: every leaf's
-    dotted name is as long as the file, so joining them all is quadratic."""
-    tree: dict[str, Any] = {}
-    node = tree
-    for _ in range(depth):
-        node.update({f"l{j}": j for j in range(3)})
-        node[key] = {}
-        node = node[key]
-    node.update({f"x{j}": j for j in range(leaves)})
-    return tree
-
-
 def test_a_deep_config_json_is_diffed_in_linear_memory_and_listed_capped() -> None:
     saved = deep_config(depth=900, leaves=150, key="k" * 150)
     text = json.dumps(saved)
