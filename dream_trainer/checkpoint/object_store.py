@@ -353,11 +353,21 @@ class ObjectLock:
                 "If-None-Match: *, so the run lock cannot keep two runs apart there. Use a "
                 "store that honours conditional writes (AWS S3 does) or a local path for "
                 f"checkpoints, and delete {path}")
-        if self.storage.read_bytes(path) != record:
-            raise CheckpointError(
-                f"{path} does not hold this run's record right after it was created: another "
-                f"writer replaced it, so the store's conditional writes cannot be trusted; "
-                f"stop the other run and delete {path}")
+        stored = self.storage.read_bytes(path)
+        if stored != record:
+            # Both creates were accepted: the store checked the condition and wrote apart
+            # (moto does under load). Whoever wrote last holds the object; refuse, naming it.
+            replaced = ("it replaced this run's record right after the store accepted both "
+                        "as new, so the store's conditional writes are not atomic")
+            try:
+                holder = LockHolder.parse(stored.decode())
+            except ValueError:
+                holder = None
+            if path == self.path and holder is not None:
+                raise self._refusal(holder, replaced)
+            raise CheckpointError(f"{path} does not hold this run's record right after it "
+                                  f"was created: {replaced}; stop the other run and delete "
+                                  f"{path}")
         return True
 
     def _read(self) -> LockHolder | str | None:
@@ -407,7 +417,8 @@ class ObjectLock:
         return current.unverifiable(self.holder) is None and current.pid == self.holder.pid \
             and current.process_start == self.holder.process_start
 
-    def _refusal(self, current: LockHolder | str | None) -> CheckpointError:
+    def _refusal(self, current: LockHolder | str | None,
+                 note: str | None = None) -> CheckpointError:
         if isinstance(current, LockHolder):
             why = current.unverifiable(self.holder)
             holder = current.describe() + ("" if why is None else
@@ -415,6 +426,8 @@ class ObjectLock:
                                            "checked from here)")
         else:
             holder = current or "its record is gone (its holder was releasing it)"
+        if note is not None:
+            holder = f"{holder}; {note}"
         return CheckpointError(
             f"another run holds the lock on {self.path.parent}: {holder}. Two runs writing "
             "one experiment's checkpoints would delete and resume each other's: stop that "

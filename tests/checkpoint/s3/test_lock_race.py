@@ -146,6 +146,45 @@ def test_a_store_that_ignores_the_condition_is_refused(s3: S3Server, s3_url: str
     assert s3.keys(s3_url.split("/", 3)[3]) == []
 
 
+class WritesApart:
+    """A store whose condition check and write are apart (moto's server under load): the
+    first conditional create is accepted, then another run's accepted create lands over it."""
+
+    def __init__(self, fs: Any, other: bytes) -> None:
+        self.fs, self.other, self.created = fs, other, False
+
+    def pipe_file(self, url: str, data: bytes, mode: str = "overwrite") -> None:
+        if not self.created:
+            self.created = True
+            self.fs.pipe_file(url, data, mode=mode)
+            self.fs.pipe_file(url, self.other)
+            return
+        self.fs.pipe_file(url, data, mode=mode)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fs, name)
+
+
+def test_a_create_the_store_also_gave_another_run_names_that_run(s3: S3Server,
+                                                                 s3_url: str) -> None:
+    real = s3_storage(s3_url)
+    root = ObjectPath(s3_url)
+    winner = replace(LockHolder.this_process(), host="other-host", boot_id="another-boot")
+    lock = ObjectLock(ObjectStorage(WritesApart(real.fs, json.dumps(asdict(winner)).encode())),
+                      root)
+    with pytest.raises(CheckpointError) as error:
+        lock.acquire()
+    message = str(error.value)
+    assert message.startswith(f"another run holds the lock on {root}: {winner.describe()} ("), \
+        message
+    assert ("; it replaced this run's record right after the store accepted both as new, so "
+            "the store's conditional writes are not atomic. Two runs writing") in message
+    assert not lock.held
+    # The other run's record is left as it was: it holds the lock.
+    assert LockHolder.parse(real.read_bytes(root / ".lock").decode()) == winner
+    real.fs.rm_file(f"{root}/.lock")
+
+
 def test_a_scheme_without_a_checked_conditional_create_is_not_locked(
         fresh_clients: None) -> None:
     # fsspec's memory filesystem stands for any non-S3 store (gcs, azure...): its "create"
