@@ -1,6 +1,7 @@
-"""The package's layers: no module imports one from a higher layer, and no two folders import
-each other (checked with grimp over every import statement, those inside functions included,
-plus ``importlib.import_module``/``__import__`` of a module named in a string). Tools (cli,
+"""The package's layers: no module imports one from a higher layer, no two folders import
+each other, and no two modules of one folder do (checked with grimp over every import
+statement, those inside functions and under ``TYPE_CHECKING`` included, plus
+``importlib.import_module``/``__import__`` of a module named in a string). Tools (cli,
 planning) never assign state reached through the trainer."""
 
 from __future__ import annotations
@@ -65,16 +66,9 @@ def upward_imports(graph: grimp.ImportGraph) -> list[str]:
     return found
 
 
-def folder_cycles(graph: grimp.ImportGraph) -> dict[str, list[str]]:
-    """Each set of folders that import one another (``a <-> b``, or a longer ring), with every
-    import between them as ``importer:line -> imported``."""
-    edges: dict[tuple[str, str], list[str]] = {}
-    for importer in sorted(graph.modules):
-        for imported in sorted(graph.find_modules_directly_imported_by(importer)):
-            pair = (layer_of(importer), layer_of(imported))
-            if pair[0] != pair[1]:
-                edges.setdefault(pair, []).append(
-                    f"{importer}:{import_lines(graph, importer, imported)} -> {imported}")
+def rings(edges: dict[tuple[str, str], list[str]]) -> dict[str, list[str]]:
+    """Each set of nodes that reach one another along ``edges`` (``a <-> b``, or a longer
+    ring), keyed by its sorted nodes, with the lines of every edge between them."""
 
     def reach(start: str) -> set[str]:
         seen, todo = {start}, [start]
@@ -86,15 +80,58 @@ def folder_cycles(graph: grimp.ImportGraph) -> dict[str, list[str]]:
                     todo.append(high)
         return seen
 
-    folders = {folder for pair in edges for folder in pair}
-    reached = {folder: reach(folder) for folder in folders}
-    cycles = {}
-    for folder in sorted(folders):
-        ring = sorted(other for other in reached[folder] if folder in reached[other])
-        if len(ring) > 1 and ring[0] == folder:
-            cycles[" <-> ".join(ring)] = [line for pair in sorted(edges)
-                                          if set(pair) <= set(ring) for line in edges[pair]]
-    return cycles
+    nodes = {node for pair in edges for node in pair}
+    reached = {node: reach(node) for node in nodes}
+    found = {}
+    for node in sorted(nodes):
+        ring = sorted(other for other in reached[node] if node in reached[other])
+        if len(ring) > 1 and ring[0] == node:
+            found[" <-> ".join(ring)] = [line for pair in sorted(edges)
+                                         if set(pair) <= set(ring) for line in edges[pair]]
+    return found
+
+
+def folder_cycles(graph: grimp.ImportGraph) -> dict[str, list[str]]:
+    """Each set of folders that import one another (``a <-> b``, or a longer ring), with every
+    import between them as ``importer:line -> imported``."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for importer in sorted(graph.modules):
+        for imported in sorted(graph.find_modules_directly_imported_by(importer)):
+            pair = (layer_of(importer), layer_of(imported))
+            if pair[0] != pair[1]:
+                edges.setdefault(pair, []).append(
+                    f"{importer}:{import_lines(graph, importer, imported)} -> {imported}")
+    return rings(edges)
+
+
+def member_of(folder: str, module: str) -> str | None:
+    """The module of ``folder`` that holds ``module``: its file, or the subfolder it is in
+    (one member, whatever it holds); ``ROOT`` for the folder's own ``__init__``; None
+    outside the folder."""
+    if module == folder:
+        return ROOT
+    if not module.startswith(f"{folder}."):
+        return None
+    return module[len(folder) + 1:].split(".")[0]
+
+
+def module_cycles(graph: grimp.ImportGraph) -> dict[str, list[str]]:
+    """Each set of modules of one folder below the package that import one another, keyed
+    ``folder: a <-> b``, with every import between them as ``importer:line -> imported``.
+    The package's own level is ``folder_cycles``'."""
+    found = {}
+    folders = sorted(module for module in graph.modules
+                     if "." in module and graph.find_children(module))
+    for folder in folders:
+        edges: dict[tuple[str, str], list[str]] = {}
+        for importer in sorted(graph.find_descendants(folder) | {folder}):
+            for imported in sorted(graph.find_modules_directly_imported_by(importer)):
+                pair = (member_of(folder, importer), member_of(folder, imported))
+                if pair[1] is not None and pair[0] != pair[1]:
+                    edges.setdefault((str(pair[0]), pair[1]), []).append(
+                        f"{importer}:{import_lines(graph, importer, imported)} -> {imported}")
+        found.update({f"{folder}: {ring}": lines for ring, lines in rings(edges).items()})
+    return found
 
 
 def string_loads(module: str, source: str) -> list[tuple[int, str]]:
@@ -144,6 +181,28 @@ def test_no_module_imports_a_higher_layer(graph: grimp.ImportGraph) -> None:
 
 def test_no_two_folders_import_each_other(graph: grimp.ImportGraph) -> None:
     assert folder_cycles(graph) == {}
+
+
+def test_no_two_modules_of_a_folder_import_each_other(graph: grimp.ImportGraph) -> None:
+    # A ring through an import inside a function or under TYPE_CHECKING is still one: the
+    # reader of either module must read the other first.
+    assert module_cycles(graph) == {}
+
+
+def test_a_circle_inside_a_folder_is_reported(graph: grimp.ImportGraph) -> None:
+    before = module_cycles(graph)
+    added = [("dream_trainer.utils.text", "dream_trainer.utils.averaging", 3),
+             ("dream_trainer.utils.averaging", "dream_trainer.utils", 4),
+             ("dream_trainer.utils", "dream_trainer.utils.text", 5)]
+    for importer, imported, line in added:
+        graph.add_import(importer=importer, imported=imported, line_number=line,
+                         line_contents=f"import {imported}")
+    after = module_cycles(graph)
+    assert {ring: after[ring] for ring in set(after) - set(before)} == {
+        "dream_trainer.utils: __init__ <-> averaging <-> text": [
+            "dream_trainer.utils:5 -> dream_trainer.utils.text",
+            "dream_trainer.utils.averaging:4 -> dream_trainer.utils",
+            "dream_trainer.utils.text:3 -> dream_trainer.utils.averaging"]}
 
 
 def test_an_upward_import_is_reported(graph: grimp.ImportGraph) -> None:
@@ -208,6 +267,31 @@ def test_violations_in_a_module_tree_are_reported(tmp_path: Path,
         "checkpoint <-> weights": ["layered.checkpoint:1 -> layered.weights.export",
                                    "layered.weights.export:1 -> layered.checkpoint.layout"]}
     assert "layered" not in sys.modules  # read, never imported
+
+
+def test_a_subfolder_is_one_module_of_its_folder(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``inner.a`` and the subfolder ``inner.sub`` import each other through different
+    # modules of ``sub``: one ring of ``inner``; inside ``sub``, x and y form another (one
+    # import under TYPE_CHECKING, one inside a function).
+    write_tree(tmp_path / "ringed", {
+        "__init__.py": "",
+        "inner/__init__.py": "",
+        "inner/a.py": "from ringed.inner.sub.x import X\n",
+        "inner/sub/__init__.py": "",
+        "inner/sub/x.py": "from typing import TYPE_CHECKING\n\n"
+                          "if TYPE_CHECKING:\n    from ringed.inner.sub.y import y\nX = 1\n",
+        "inner/sub/y.py": "def y():\n    from ringed.inner import a\n"
+                          "    from ringed.inner.sub import x\n",
+    })
+    monkeypatch.syspath_prepend(str(tmp_path))
+    graph = grimp.build_graph("ringed", cache_dir=None)
+    assert module_cycles(graph) == {
+        "ringed.inner: a <-> sub": ["ringed.inner.a:1 -> ringed.inner.sub.x",
+                                    "ringed.inner.sub.y:2 -> ringed.inner.a"],
+        "ringed.inner.sub: x <-> y": ["ringed.inner.sub.x:4 -> ringed.inner.sub.y",
+                                      "ringed.inner.sub.y:3 -> ringed.inner.sub.x"]}
+    assert "ringed" not in sys.modules  # read, never imported
 
 
 def sources(*folders: str) -> dict[str, ast.Module]:

@@ -12,10 +12,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dream_trainer.checkpoint.layout import (CONFIG, METADATA, MODEL_PREFIX, CheckpointError,
-                                             CheckpointInfo, checksum, checksum_share,
-                                             verify_files, written_files)
-from dream_trainer.checkpoint.storage import Location, RunLockLike, storage_for
+from dream_trainer.checkpoint.directory import (CONFIG, METADATA, MODEL_PREFIX, CheckpointError,
+                                                CheckpointInfo, checksum, checksum_share,
+                                                verify_files, written_files)
+from dream_trainer.checkpoint.storage import storage_for
+from dream_trainer.checkpoint.storage_base import Location, RunLockLike
 from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.utils.bounded import read_bounded
 from dream_trainer.utils.text import printable

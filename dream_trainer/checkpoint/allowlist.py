@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dream_trainer.checkpoint.tensor_ref import TensorRef
 from dream_trainer.utils.hash_guard import MAX_SHARED_HASH, HashFloodError, count_keys
 from dream_trainer.utils.paths import component_problem
 
@@ -434,8 +435,7 @@ def _collection(args: tuple[Any, ...], kind: type) -> Any:
 
 
 def _item_globals() -> dict[str, Name]:
-    from dream_trainer.checkpoint.state import TensorRef
-
+    tensor_ref = _fields(TensorRef, {"path": as_str})
     # The typed storage classes of torch.save's archives (torch.FloatStorage, ...).
     storages = [Name(f"torch.{name}", dtype=dtype)
                 for dtype, name in torch.storage._dtype_to_storage_type_map().items()]
@@ -456,8 +456,9 @@ def _item_globals() -> dict[str, Name]:
         *(Name(name) for name in _TENSOR_TYPES | _WRAPPED_WEIGHTS),
         *(Name(f"torchao.float8.float8_training_tensor.{name}", newobj=_plain_tuple)
           for name in ("LinearMMConfig", "ScaledMMConfig")),
-        Name("dream_trainer.checkpoint.state.TensorRef",
-             build=_fields(TensorRef, {"path": as_str})),
+        Name("dream_trainer.checkpoint.tensor_ref.TensorRef", build=tensor_ref),
+        # Its name in checkpoints written while it was defined in checkpoint.state.
+        Name("dream_trainer.checkpoint.state.TensorRef", build=tensor_ref),
     )
 
 

@@ -4,7 +4,7 @@ A DCP ``.metadata`` declares each tensor's size and its chunks, and a reader all
 size before it reads a byte (export's and resume's targets are ``torch.empty(size)``). A
 declared size nothing stores (a 63 KB checkpoint declaring a 256 MiB tensor whose one chunk
 is a zero-stride view) would make the reader allocate and write what was never saved. This
-check, run once per metadata read by ``layout.verify_files``, ties every allocation to
+check, run once per metadata read by ``directory.verify_files``, ties every allocation to
 stored bytes: a tensor's chunks lie inside it, do not overlap and cover it, and each chunk's
 stored entry holds at least its elements' bytes; ``verify_files`` then checks that the files
 hold those entries. Everything allocated from the metadata is then at most the checkpoint's

@@ -13,8 +13,9 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 
-from dream_trainer.checkpoint.layout import INFO, METADATA, is_complete
-from dream_trainer.checkpoint.storage import Location, ObjectPath, location, storage_for
+from dream_trainer.checkpoint.directory import INFO, METADATA, is_complete
+from dream_trainer.checkpoint.storage import location, storage_for
+from dream_trainer.checkpoint.storage_base import Location, ObjectPath
 from dream_trainer.errors import CheckpointError
 from dream_trainer.world.agree import gather_objects
 from dream_trainer.world.world import DistributedWorld

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from dream_trainer.checkpoint.agreement import load_failure
-from dream_trainer.checkpoint.layout import (METADATA, MODEL_PREFIX, CheckpointError,
-                                             is_complete, verify_files)
-from dream_trainer.checkpoint.storage import Location, below, location, storage_for
+from dream_trainer.checkpoint.directory import (METADATA, MODEL_PREFIX, CheckpointError,
+                                                is_complete, verify_files)
+from dream_trainer.checkpoint.storage import location, storage_for
+from dream_trainer.checkpoint.storage_base import Location, below
 from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.nn.hf_moe import StackedKey
 from dream_trainer.utils.paths import component_problem

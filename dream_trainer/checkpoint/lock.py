@@ -1,5 +1,5 @@
 """One run at a time per experiment: an OS lock on a file in its checkpoint directory, and a
-record in that file naming the run that holds it."""
+record in that file naming the run that holds it (``checkpoint.lock_holder``)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ import fcntl
 import json
 import logging
 import os
-import socket
 import stat
 import time
-from dataclasses import asdict, dataclass
+from abc import ABC, abstractmethod
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
-from dream_trainer.checkpoint.layout import CheckpointError
+from dream_trainer.checkpoint.lock_holder import LockHolder
+from dream_trainer.errors import CheckpointError
 from dream_trainer.utils.files import LinkRefused, make_dirs, write_atomically
 
 logger = logging.getLogger(__name__)
@@ -48,100 +50,85 @@ def _close_inherited() -> None:
 
 os.register_at_fork(after_in_child=_close_inherited)
 
-# Each field of a record, with the types a valid one holds. Records of versions before the
-# OS lock lack the last two: they read as unknown.
-_FIELDS: dict[str, tuple[type, ...]] = {
-    "host": (str,), "pid": (int,), "started": (str,), "process_start": (int, type(None)),
-    "launcher_pid": (int,), "boot_id": (str, type(None)), "pid_namespace": (str, type(None)),
-}
-_ADDED = ("boot_id", "pid_namespace")
 
+class RecordLock(ABC):
+    """The take-over both run locks share (``RunLock`` on a filesystem without OS locks,
+    and the object store's ``ObjectLock``): a record judged dead is replaced by this run's
+    only by the run that creates ``.lock.takeover`` beside it, so that of several runs taking
+    over one dead lock exactly one wins. A subclass gives its storage's primitives.
 
-@dataclass(frozen=True)
-class LockHolder:
-    """Who holds an experiment's lock: the process of global rank 0 of a run.
-
-    ``launcher_pid`` is the process that started it (torchrun's agent, or a shell): workers
-    that torchrun restarts have the same one, which is how a restart of the same run is told
-    from another run. ``boot_id`` names the running kernel and ``pid_namespace`` the set of
-    process ids ``pid`` belongs to (a container has its own).
+    Attributes:
+        path: The lock's file or object, ``<checkpoint directory>/.lock``.
+        holder: This process, as its record names it.
     """
 
-    host: str
-    pid: int
-    started: str
-    process_start: int | None
-    launcher_pid: int
-    boot_id: str | None
-    pid_namespace: str | None
+    path: Any
+    holder: LockHolder
+    _delete_word = "remove"
+    """The word for deleting what is left behind in this storage's messages."""
 
-    @classmethod
-    def this_process(cls) -> LockHolder:
-        return cls(socket.gethostname(), os.getpid(),
-                   time.strftime("%Y-%m-%d %H:%M:%S %z"), _process_start(os.getpid()),
-                   os.getppid(), _boot_id(), _pid_namespace())
-
-    @classmethod
-    def parse(cls, text: str) -> LockHolder:
-        """The holder a lock file's text names.
+    def _replace_dead(self, current: LockHolder) -> None:
+        """Replace the record ``current``, judged dead, by this run's.
 
         Raises:
-            ValueError: naming what is wrong (not JSON, a missing field, a field's type).
+            CheckpointError: if another run is taking the lock over at this moment, or the
+                record is no longer ``current`` (a run that came first replaced it).
         """
-        record = json.loads(text)
-        if not isinstance(record, dict):
-            raise ValueError(f"expected a JSON object, found {type(record).__name__}")
-        for name, types in _FIELDS.items():
-            if name not in record and name not in _ADDED:
-                raise ValueError(f"field {name!r} is missing")
-            value = record.get(name)
-            # bool is an int to isinstance, but never a pid.
-            if not isinstance(value, types) or isinstance(value, bool):
-                raise ValueError(f"field {name!r} is {value!r}, not of type "
-                                 + " or ".join(t.__name__ for t in types))
-        return cls(**{name: record.get(name) for name in _FIELDS})
-
-    def describe(self) -> str:
-        return f"pid {self.pid} on host {self.host}, started {self.started}"
-
-    def same_kernel(self, other: LockHolder) -> bool:
-        """Whether both run on one kernel (one boot of one machine, any container of it)."""
-        if self.boot_id is not None and other.boot_id is not None:
-            return self.boot_id == other.boot_id
-        return self.host == other.host
-
-    def same_launcher(self, other: LockHolder) -> bool:
-        """Whether both were started by one process: workers of one torchrun agent."""
-        return self.same_kernel(other) and self.pid_namespace == other.pid_namespace \
-            and self.launcher_pid == other.launcher_pid
-
-    def unverifiable(self, observer: LockHolder) -> str | None:
-        """Why ``observer`` cannot tell from the pid whether this holder runs, or None."""
-        if not self.same_kernel(observer):
-            return "on another host" if self.host != observer.host else (
-                "on another kernel with this host name (another machine, or this one before "
-                "a restart)")
-        if self.pid_namespace != observer.pid_namespace:
-            return "in another PID namespace (another container) on this machine"
-        return None
-
-    def is_alive(self, observer: LockHolder) -> bool | None:
-        """Whether the holder still runs, judged from its pid; None when ``observer`` cannot
-        tell (see ``unverifiable``)."""
-        if self.unverifiable(observer) is not None:
-            return None
+        marker = self.path.parent / TAKEOVER
+        if not self._create(marker):
+            raise CheckpointError(
+                f"another run is taking over the lock on {self.path.parent} at this moment "
+                f"(from {current.describe()}); if none is, {self._delete_word} {marker}")
         try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass  # it exists, under another user
-        # A recycled pid belongs to a process that started at another time.
-        start = _process_start(self.pid)
-        return start is None or self.process_start is None or start == self.process_start
+            # Only the run that created the marker may replace the record, and only the
+            # record it judged dead: a run that came first has replaced it already.
+            now = self._read_record()
+            if now != current:
+                raise self._changed(now)
+            self._log_takeover(current)
+            self._replace_record()
+        finally:
+            self._delete(marker)
+
+    def _record(self) -> bytes:
+        """This run's record, as the lock holds it."""
+        return json.dumps(asdict(self.holder)).encode()
+
+    def _log_takeover(self, current: LockHolder) -> None:
+        if current.same_launcher(self.holder):
+            logger.info("taking over the lock of an earlier worker of this run (%s)",
+                        current.describe())
+        else:
+            logger.warning("taking over the lock on %s from a run that is no longer "
+                           "running (%s)", self.path.parent, current.describe())
+
+    def _changed(self, now: LockHolder | str | None) -> CheckpointError:
+        """The refusal when the record judged dead was replaced by ``now`` meanwhile."""
+        return self._refusal(now or "its record is gone (its holder released it)")
+
+    @abstractmethod
+    def _create(self, path: Any) -> bool:
+        """Create ``path`` if nothing is there; whether this call created it."""
+
+    @abstractmethod
+    def _read_record(self) -> LockHolder | str | None:
+        """The holder the lock names, why its record is unreadable, or None without one."""
+
+    @abstractmethod
+    def _replace_record(self) -> None:
+        """Replace the lock's record, as a whole, by this run's."""
+
+    @abstractmethod
+    def _delete(self, path: Any) -> None:
+        """Delete ``path``, which this run created."""
+
+    @abstractmethod
+    def _refusal(self, current: LockHolder | str | None,
+                 note: str | None = None) -> CheckpointError:
+        """The error naming the run that holds the lock (``current``)."""
 
 
-class RunLock:
+class RunLock(RecordLock):
     """An exclusive claim by one run on an experiment's checkpoint directory.
 
     ``acquire()`` takes an OS lock (``flock``) on ``<directory>/.lock``, held until
@@ -240,7 +227,7 @@ class RunLock:
                            "on its record alone", self.path.parent, exc)
             if created:
                 # By rename, as a takeover writes it: never through a link put in its place.
-                write_atomically(self.path, json.dumps(asdict(self.holder)).encode())
+                self._replace_record()
                 self.held = True
             else:
                 self._take_over_by_record()
@@ -317,26 +304,25 @@ class RunLock:
         alive = current.is_alive(self.holder)
         if alive is not False:
             raise self._refusal(current, None if alive else self._unchecked(current))
-        marker = self.path.with_name(TAKEOVER)
+        self._replace_dead(current)
+        self.held = True
+
+    def _create(self, path: Path) -> bool:
         try:
-            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW
                              | os.O_CLOEXEC, 0o644))
         except FileExistsError:
-            raise CheckpointError(
-                f"another run is taking over the lock on {self.path.parent} at this moment "
-                f"(from {current.describe()}); if none is, remove {marker}"
-            ) from None
-        try:
-            # Only the run that created the marker may replace the record, and only the
-            # record it judged dead: a run that came first has replaced it already.
-            now = self._wait_for_record(live=False)
-            if now != current:
-                raise self._refusal(now or "its record is gone (its holder released it)")
-            self._log_takeover(current)
-            write_atomically(self.path, json.dumps(asdict(self.holder)).encode())
-        finally:
-            marker.unlink()
-        self.held = True
+            return False
+        return True
+
+    def _read_record(self) -> LockHolder | str | None:
+        return self._wait_for_record(live=False)
+
+    def _replace_record(self) -> None:
+        write_atomically(self.path, self._record())
+
+    def _delete(self, path: Path) -> None:
+        path.unlink()
 
     def _wait_for_record(self, live: bool) -> LockHolder | str | None:
         """The holder the lock file names, why its record is unreadable, or None without a
@@ -362,14 +348,6 @@ class RunLock:
             time.sleep(0.02)
 
     # -- both ---------------------------------------------------------------------------------
-    def _log_takeover(self, current: LockHolder) -> None:
-        if current.same_launcher(self.holder):
-            logger.info("taking over the lock of an earlier worker of this run (%s)",
-                        current.describe())
-        else:
-            logger.warning("taking over the lock on %s from a run that is no longer "
-                           "running (%s)", self.path.parent, current.describe())
-
     def _unchecked(self, current: LockHolder) -> str:
         return f"{current.unverifiable(self.holder)}, so whether it still runs cannot be " \
                "checked from here"
@@ -417,29 +395,3 @@ def _write(descriptor: int, holder: LockHolder) -> None:
     data = json.dumps(asdict(holder)).encode()
     os.pwrite(descriptor, data, 0)
     os.ftruncate(descriptor, len(data))
-
-
-def _boot_id() -> str | None:
-    """This boot of this machine's kernel (Linux); None where unknown."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None
-
-
-def _pid_namespace() -> str | None:
-    """This process's PID namespace, as ``pid:[<inode>]`` (Linux); None where unknown."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-
-
-def _process_start(pid: int) -> int | None:
-    """When ``pid`` started, in clock ticks since boot (Linux); None where unknown."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: count from its end.
-    return int(stat.rsplit(")", 1)[1].split()[19])

@@ -14,19 +14,18 @@ that write atomic: an older s3fs is refused at first use, and another scheme's l
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import re
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
 
-from dream_trainer.checkpoint.lock import LOCK, TAKEOVER, LockHolder
-from dream_trainer.checkpoint.storage import ObjectPath, RunLockLike, Storage, below
+from dream_trainer.checkpoint.lock import LOCK, RecordLock
+from dream_trainer.checkpoint.lock_holder import LockHolder
+from dream_trainer.checkpoint.storage_base import ObjectPath, RunLockLike, Storage, below
 from dream_trainer.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -266,7 +265,7 @@ def _no_bucket(exc: BaseException) -> bool:
     return "bucket" in str(exc).lower()
 
 
-class ObjectLock:
+class ObjectLock(RecordLock):
     """One run at a time per experiment in an object store: ``<directory>/.lock`` created by a
     conditional write, holding the same record as ``checkpoint.lock.RunLock``'s file.
 
@@ -282,6 +281,8 @@ class ObjectLock:
         storage: The object store.
         directory: The experiment's checkpoint directory.
     """
+
+    _delete_word = "delete"
 
     def __init__(self, storage: ObjectStorage, directory: ObjectPath) -> None:
         self.storage = storage
@@ -317,7 +318,7 @@ class ObjectLock:
             return
         self.held = False
         try:
-            if self._read() == self.holder:
+            if self._read_record() == self.holder:
                 self.storage.fs.rm_file(self.path.url)
         except Exception as exc:  # noqa: BLE001 - teardown must not fail on the client
             self._left(self.path, exc)
@@ -335,7 +336,7 @@ class ObjectLock:
             CheckpointError: if the store created the object twice (it ignores
                 ``If-None-Match``), or what was created is not this run's record.
         """
-        record = json.dumps(asdict(self.holder)).encode()
+        record = self._record()
         try:
             self.storage.fs.pipe_file(path.url, record, mode="create")
         except FileExistsError:  # s3fs's answer to 412 Precondition Failed
@@ -370,7 +371,7 @@ class ObjectLock:
                                   f"{path}")
         return True
 
-    def _read(self) -> LockHolder | str | None:
+    def _read_record(self) -> LockHolder | str | None:
         try:
             return LockHolder.parse(self.storage.read_bytes(self.path).decode())
         except FileNotFoundError:
@@ -379,37 +380,33 @@ class ObjectLock:
             return f"the lock object {self.path} is unreadable ({exc})"
 
     def _take_over(self) -> None:
-        current = self._read()
+        current = self._read_record()
         if current is None:  # released meanwhile
             if self._create(self.path):
                 return
-            current = self._read()
+            current = self._read_record()
         if not isinstance(current, LockHolder) or not (
                 current.is_alive(self.holder) is False or self._mine(current)):
             raise self._refusal(current)
-        marker = self.path.parent / TAKEOVER
-        if not self._create(marker):
-            raise CheckpointError(
-                f"another run is taking over the lock on {self.path.parent} at this moment "
-                f"(from {current.describe()}); if none is, delete {marker}")
+        self._replace_dead(current)
+
+    def _replace_record(self) -> None:
+        self.storage.write_bytes(self.path, self._record())
+
+    def _delete(self, path: ObjectPath) -> None:
         try:
-            # Only the record judged dead is replaced: a run that came first replaced it.
-            if self._read() != current:
-                raise self._refusal(self._read())
-            if self._mine(current):
-                logger.info("taking over the lock an earlier trainer of this process left")
-            elif current.same_launcher(self.holder):
-                logger.info("taking over the lock of an earlier worker of this run (%s)",
-                            current.describe())
-            else:
-                logger.warning("taking over the lock on %s from a run that is no longer "
-                               "running (%s)", self.path.parent, current.describe())
-            self.storage.write_bytes(self.path, json.dumps(asdict(self.holder)).encode())
-        finally:
-            try:
-                self.storage.fs.rm_file(marker.url)
-            except Exception as exc:  # noqa: BLE001 - would hide the outcome of the take-over
-                self._left(marker, exc)
+            self.storage.fs.rm_file(path.url)
+        except Exception as exc:  # noqa: BLE001 - would hide the outcome of the take-over
+            self._left(path, exc)
+
+    def _changed(self, now: LockHolder | str | None) -> CheckpointError:
+        return self._refusal(now)  # which says itself that a record is gone
+
+    def _log_takeover(self, current: LockHolder) -> None:
+        if self._mine(current):
+            logger.info("taking over the lock an earlier trainer of this process left")
+        else:
+            super()._log_takeover(current)
 
     def _mine(self, current: LockHolder) -> bool:
         """Whether ``current`` is this very process: an earlier trainer of it that could not

@@ -28,9 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from dream_trainer.checkpoint.agreement import find_problem, load_failure
+from dream_trainer.checkpoint.directory import MODEL_PREFIX, CheckpointError, is_complete
 from dream_trainer.checkpoint.export import model_tensors
-from dream_trainer.checkpoint.layout import MODEL_PREFIX, CheckpointError, is_complete
-from dream_trainer.checkpoint.storage import Location, location, storage_for
+from dream_trainer.checkpoint.storage import location, storage_for
+from dream_trainer.checkpoint.storage_base import Location
 from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.nn.hf_moe import FILE_LAYOUTS, StackedKey
 from dream_trainer.parallel.dtensor import local_tensor

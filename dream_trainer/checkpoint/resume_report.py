@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from dream_trainer.checkpoint.storage import Location
+from dream_trainer.checkpoint.storage_base import Location
 
 logger = logging.getLogger(__name__)
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import logging
 import math
 
-from dream_trainer.checkpoint.layout import (CheckpointInfo, complete_checkpoints, is_complete,
-                                             step_dirs)
-from dream_trainer.checkpoint.storage import Location, storage_for
+from dream_trainer.checkpoint.directory import (CheckpointInfo, complete_checkpoints, is_complete,
+                                                step_dirs)
+from dream_trainer.checkpoint.storage import storage_for
+from dream_trainer.checkpoint.storage_base import Location
 from dream_trainer.configs.checkpoint import CheckpointParameters
 
 logger = logging.getLogger(__name__)

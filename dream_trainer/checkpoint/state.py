@@ -18,14 +18,14 @@ import hashlib
 import io
 import pickle
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from dream_trainer.checkpoint.layout import CheckpointError
+from dream_trainer.checkpoint.directory import CheckpointError
 from dream_trainer.checkpoint.rng import rng_state
+from dream_trainer.checkpoint.tensor_ref import TensorRef
 from dream_trainer.checkpoint.torch_archive import rebuild
 from dream_trainer.checkpoint.trust import load_item
 from dream_trainer.parallel.state_dict import load_model_state_dict, model_state_dict
@@ -38,13 +38,6 @@ SHARED = "objects"
 """Key (under ``state.``) of the blob every rank holds the same."""
 TENSORS = "tensors"
 """Key (under ``state.``) of the tensors taken out of that blob, by path."""
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """Where a tensor stood in a blob; the tensor itself is saved by DCP under ``path``."""
-
-    path: str
 
 
 def split_tensors(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:

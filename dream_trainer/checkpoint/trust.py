@@ -22,9 +22,10 @@ from typing import IO, Any
 
 import torch
 
-from dream_trainer.checkpoint.layout import INFO, METADATA, CheckpointInfo
+from dream_trainer.checkpoint.directory import INFO, METADATA, CheckpointInfo
 from dream_trainer.checkpoint.safe_pickle import MAX_PICKLE_BYTES, loads
-from dream_trainer.checkpoint.storage import Location, location, storage_for
+from dream_trainer.checkpoint.storage import location, storage_for
+from dream_trainer.checkpoint.storage_base import Location
 from dream_trainer.checkpoint.torch_archive import load_archive
 from dream_trainer.errors import CheckpointError
 

@@ -7,8 +7,9 @@ import contextlib
 from collections.abc import Iterator
 
 from dream_trainer.checkpoint.agreement import innermost, root_cause
-from dream_trainer.checkpoint.layout import CheckpointError, complete_checkpoints
-from dream_trainer.checkpoint.storage import Location, storage_for
+from dream_trainer.checkpoint.directory import CheckpointError, complete_checkpoints
+from dream_trainer.checkpoint.storage import storage_for
+from dream_trainer.checkpoint.storage_base import Location
 
 
 @contextlib.contextmanager

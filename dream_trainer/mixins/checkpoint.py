@@ -15,15 +15,16 @@ from pydantic import Field
 
 from dream_trainer.checkpoint.agreement import (check_shapes, commit, config_changes, failures,
                                                 find_problem, gather, saved_config, take_lock)
+from dream_trainer.checkpoint.directory import (CONFIG, INFO, METADATA, CheckpointError,
+                                                CheckpointInfo, complete_checkpoints, is_complete,
+                                                step_dir, step_dirs)
 from dream_trainer.checkpoint.early_checks import check_checkpoint_storage
-from dream_trainer.checkpoint.layout import (CONFIG, INFO, METADATA, CheckpointError,
-                                             CheckpointInfo, complete_checkpoints, is_complete,
-                                             step_dir, step_dirs)
 from dream_trainer.checkpoint.resume_report import ResumePosition
 from dream_trainer.checkpoint.retention import rotate
 from dream_trainer.checkpoint.rng import resized_streams, set_rng_state
 from dream_trainer.checkpoint.state import SHARED, TrainingState, check_shared, digest
-from dream_trainer.checkpoint.storage import Location, RunLockLike, location, storage_for
+from dream_trainer.checkpoint.storage import location, storage_for
+from dream_trainer.checkpoint.storage_base import Location, RunLockLike
 from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.checkpoint.write_errors import explain_write_errors
 from dream_trainer.configs.base import ConfigModel

@@ -6,10 +6,9 @@ so that under causal attention each rank has the same work. Everything but atten
 per token and runs on the local part unchanged. Attention all-gathers the keys and values
 of the whole sequence over ``cp`` (in backward their gradients are summed back to their
 owners), and each local chunk of queries attends to the keys up to its global position
-(without a mask tensor: see ``_CausalChunks``), so a rank's queries see exactly the keys one
+(without a mask tensor; ``context_attention``), so a rank's queries see exactly the keys one
 process would show them. Under a sliding window each chunk attends to the band of keys its
-window reaches (``window_chunks``); transformers models get their windows and positions
-through ``context_hf``.
+window reaches; transformers models get their windows and positions through ``context_hf``.
 
 Why an all-gather rather than a ring: it is Llama 3's design for long-context training, it
 runs any SDPA kernel unchanged (the CPU kernels included, which torch's ring implementation
@@ -29,272 +28,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from dream_trainer.parallel.context_attention import GatheredAttention, attention_through
 from dream_trainer.parallel.context_hf import HFDecoders, check_attention
+from dream_trainer.parallel.context_split import SequenceSplit, split_problem
 from dream_trainer.world.dims import MeshAxis
 from dream_trainer.world.world import DistributedWorld
 
 Tensors = tuple[Any, ...]
-
-_SDPA = F.scaled_dot_product_attention
-"""torch's own, whatever ``split`` puts in its place."""
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-def sequence_positions(length: int, cp: int, rank: int, balanced: bool) -> torch.Tensor:
-    """The positions of a ``length``-long sequence that context-parallel rank ``rank`` of
-    ``cp`` holds, in the order it holds them: chunks ``rank`` and ``2cp-1-rank`` of ``2cp``
-    when ``balanced``, else chunk ``rank`` of ``cp``."""
-    size = length // (2 * cp if balanced else cp)
-    return torch.cat([torch.arange(chunk * size, (chunk + 1) * size)
-                      for chunk in held_chunks(cp, rank, balanced)])
-
-
-def held_chunks(cp: int, rank: int, balanced: bool) -> tuple[int, ...]:
-    """The chunks context-parallel rank ``rank`` of ``cp`` holds, in its order: ``rank`` and
-    ``2cp-1-rank`` of ``2cp`` when ``balanced``, else ``rank`` of ``cp``."""
-    return (rank, 2 * cp - 1 - rank) if balanced else (rank,)
-
-
-def split_problem(length: int, cp: int, balanced: bool) -> str | None:
-    """Why a sequence of ``length`` cannot be split over ``cp`` ranks, or None."""
-    chunks = 2 * cp if balanced else cp
-    if length % chunks == 0:
-        return None
-    how = (f"2 x context_parallel = {chunks} chunks (a head and a tail per rank, "
-           "context_parallel_load_balance=True)" if balanced
-           else f"context_parallel = {chunks} chunks")
-    return (f"a sequence of {length} positions does not split into {how}: pad or cut the "
-            f"sequences to a multiple of {chunks}, or change context_parallel")
-
-
-class SequenceSplit:
-    """This rank's part of sequences of one length: which positions it holds, in chunks, and
-    how to put the keys gathered from every rank (in rank order) back in position order."""
-
-    def __init__(self, length: int, cp: int, rank: int, balanced: bool,
-                 device: torch.device) -> None:
-        self.length = length
-        self.local = sequence_positions(length, cp, rank, balanced).to(device)
-        gathered = torch.cat([sequence_positions(length, cp, peer, balanced)
-                              for peer in range(cp)]).to(device)
-        self.natural_order = torch.argsort(gathered)
-        """Where each position's key is among the gathered ones (rank order)."""
-        chunks = 2 * cp if balanced else cp
-        self.chunk = length // chunks
-        # From the chunk numbers, not read back from ``local``: a plan's tensors have no values.
-        self.starts = [chunk * self.chunk for chunk in held_chunks(cp, rank, balanced)]
-        """The first position of each chunk this rank holds, in its order."""
-        self._bands: dict[int, list[tuple[int, torch.Tensor]]] = {}
-
-    def bands(self, window: int) -> list[tuple[int, torch.Tensor]]:
-        """For each chunk this rank holds, the first key position it can see under a sliding
-        window of ``window`` keys (a query at ``p`` sees keys ``p - window < k <= p``, as
-        transformers' masks) and the boolean mask of its queries over the keys from there to
-        the chunk's end: ``[chunk, end - first]``, at most ``chunk + window - 1`` wide."""
-        if window not in self._bands:
-            device = self.local.device
-            rows = torch.arange(self.chunk, device=device).unsqueeze(1)
-            bands = []
-            for start in self.starts:
-                first = max(0, start - window + 1)
-                keys = torch.arange(first, start + self.chunk, device=device).unsqueeze(0)
-                queries = rows + start
-                bands.append((first, (keys <= queries) & (keys > queries - window)))
-            self._bands[window] = bands
-        return self._bands[window]
-
-    def take(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        """``tensor``'s rows at this rank's positions along ``dim``."""
-        return tensor.index_select(dim, self.local)
-
-
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along a dimension in rank order; backward sums every rank's gradient of
-    the whole and hands each rank the part it contributed."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, dim: int, group: dist.ProcessGroup,
-                ranks: int, rank: int) -> torch.Tensor:
-        ctx.dim, ctx.group, ctx.ranks, ctx.rank = dim, group, ranks, rank
-        parts = [torch.empty_like(tensor) for _ in range(ranks)]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return torch.cat(parts, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad = grad.contiguous()
-        if dist.get_backend(ctx.group) == "gloo":  # gloo has no reduce-scatter of tensors
-            dist.all_reduce(grad, group=ctx.group)
-            mine = grad.chunk(ctx.ranks, ctx.dim)[ctx.rank].contiguous()
-        else:
-            parts = [part.contiguous() for part in grad.chunk(ctx.ranks, ctx.dim)]
-            mine = torch.empty_like(parts[ctx.rank])
-            dist.reduce_scatter(mine, parts, group=ctx.group)
-        return mine, None, None, None, None
-
-
-class _CausalChunks(torch.autograd.Function):
-    """Causal attention of a rank's chunks of queries over the whole sequence's keys (in
-    position order), without a mask: each chunk attends to the keys before it in full and to
-    its own block causally, two calls of the CPU flash kernel merged by their log-sum-exp.
-    Backward runs the kernel's backward on each block with the merged output and
-    log-sum-exp, which gives each block's exact share of the gradients.
-
-    A mask would cost a ``[local, length]`` tensor per layer that the CPU kernels turn into
-    floats and keep for backward: more memory than the split saves on long sequences.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                starts: list[int], chunk: int, scale: float | None) -> torch.Tensor:
-        outputs, sums = [], []
-        for index, start in enumerate(starts):
-            q = query[..., index * chunk:(index + 1) * chunk, :]
-            out, lse = _FLASH(q, key[..., start:start + chunk, :],
-                              value[..., start:start + chunk, :], 0.0, True, scale=scale)
-            if start > 0:
-                past, past_lse = _FLASH(q, key[..., :start, :], value[..., :start, :], 0.0,
-                                        False, scale=scale)
-                merged = torch.logaddexp(lse, past_lse)
-                out = (out.float() * (lse - merged).exp().unsqueeze(-1)
-                       + past.float() * (past_lse - merged).exp().unsqueeze(-1)).to(q.dtype)
-                lse = merged
-            outputs.append(out)
-            sums.append(lse)
-        output, lse = torch.cat(outputs, -2), torch.cat(sums, -1)
-        ctx.save_for_backward(query, key, value, output, lse)
-        ctx.starts, ctx.chunk, ctx.scale = starts, chunk, scale
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        query, key, value, output, lse = ctx.saved_tensors
-        chunk, scale = ctx.chunk, ctx.scale
-        grad = grad.contiguous()
-        d_query, d_key, d_value = (torch.zeros_like(t) for t in (query, key, value))
-        for index, start in enumerate(ctx.starts):
-            rows = slice(index * chunk, (index + 1) * chunk)
-            args = (grad[..., rows, :], query[..., rows, :].contiguous())
-            state = (output[..., rows, :].contiguous(), lse[..., rows].contiguous())
-            blocks = [(slice(start, start + chunk), True)]
-            if start > 0:
-                blocks.append((slice(0, start), False))
-            for keys, causal in blocks:
-                dq, dk, dv = _FLASH_BACKWARD(
-                    *args, key[..., keys, :].contiguous(), value[..., keys, :].contiguous(),
-                    *state, 0.0, causal, scale=scale)
-                d_query[..., rows, :] += dq
-                d_key[..., keys, :] += dk
-                d_value[..., keys, :] += dv
-        return d_query, d_key, d_value, None, None, None
-
-
-def lower_right_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       starts: list[int], chunk: int, dropout_p: float = 0.0,
-                       scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
-    """``_CausalChunks`` through torch's public SDPA, for CUDA (and dropout): each chunk
-    of queries attends to the keys up to its end with a lower-right causal bias, which
-    CUDA's flash and memory-efficient kernels take without a mask tensor (the CPU's
-    math kernel would build one)."""
-    from torch.nn.attention.bias import causal_lower_right
-
-    parts = []
-    for index, start in enumerate(starts):
-        end = start + chunk
-        parts.append(_SDPA(query[..., index * chunk:(index + 1) * chunk, :],
-                           key[..., :end, :], value[..., :end, :],
-                           attn_mask=causal_lower_right(chunk, end), dropout_p=dropout_p,
-                           scale=scale, enable_gqa=enable_gqa))
-    return torch.cat(parts, -2)
-
-
-def window_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  split: SequenceSplit, window: int, dropout_p: float = 0.0,
-                  scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
-    """Sliding-window causal attention of a rank's chunks of queries over the whole
-    sequence's keys (in position order), by global position: each chunk attends through its
-    band's mask (``SequenceSplit.bands``) to the keys its window reaches, so the cost per
-    chunk is its band, not the sequence; autograd differentiates torch's kernel."""
-    parts = []
-    for index, (first, mask) in enumerate(split.bands(window)):
-        end = split.starts[index] + split.chunk
-        parts.append(_SDPA(query[..., index * split.chunk:(index + 1) * split.chunk, :],
-                           key[..., first:end, :], value[..., first:end, :], attn_mask=mask,
-                           dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa))
-    return torch.cat(parts, -2)
-
-
-class _GatheredAttention:
-    """``attend`` stands for ``F.scaled_dot_product_attention`` while a split is active: over
-    this rank's part of a split sequence it attends to the whole sequence
-    (``SequenceSplit``)."""
-
-    def __init__(self, split: SequenceSplit, group: dist.ProcessGroup, ranks: int,
-                 rank: int) -> None:
-        self.split, self.group, self.ranks, self.rank = split, group, ranks, rank
-        self._inside = False
-        """True while torch's causal bias, called from here, calls SDPA back by its name."""
-        self.window: int | None = None
-        """The sliding window of the attention now running (set around a transformers
-        layer's attention that declares one, ``context_hf``), else None."""
-
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-               is_causal: bool = False, scale: float | None = None,
-               enable_gqa: bool = False) -> torch.Tensor:
-        if self._inside:
-            return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        local = self.split.local.numel()
-        if query.size(-2) != local or key.size(-2) != local:
-            # Cross-attention to a context that was not split (a text encoding, say) is
-            # exact on the local queries as it is.
-            if query.size(-2) == local and not is_causal:
-                return _SDPA(
-                    query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
-                    enable_gqa=enable_gqa)
-            raise ValueError(
-                f"under context_parallel={self.ranks} attention received queries of length "
-                f"{query.size(-2)} and keys of length {key.size(-2)}, but this rank holds "
-                f"{local} positions of the split sequence: attention must run on the split "
-                "sequence (dim -2 of [batch, heads, sequence, head_dim]); check "
-                "context_parallel_seq_dim")
-        if attn_mask is not None:
-            raise ValueError(
-                f"under context_parallel={self.ranks} attention received an attn_mask of shape "
-                f"{tuple(attn_mask.shape)}, but a mask built over this rank's "
-                f"{local} positions does not describe the whole sequence's {self.split.length}: "
-                "pass is_causal=True for causal attention (nothing for full attention) and no "
-                "mask; a sliding window is applied by position for transformers models that "
-                "declare one")
-        dim = query.dim() - 2
-        key = _GatherSequence.apply(key, dim, self.group, self.ranks, self.rank)
-        value = _GatherSequence.apply(value, dim, self.group, self.ranks, self.rank)
-        if not is_causal:
-            return _SDPA(query, key, value, dropout_p=dropout_p, scale=scale,
-                         enable_gqa=enable_gqa)
-        order = self.split.natural_order
-        key, value = key.index_select(dim, order), value.index_select(dim, order)
-        if self.window is not None and self.window < self.split.length:
-            return window_chunks(query, key, value, self.split, self.window, dropout_p, scale,
-                                 enable_gqa)
-        if query.device.type == "cpu" and dropout_p == 0:
-            if enable_gqa and key.size(-3) != query.size(-3):
-                repeats = query.size(-3) // key.size(-3)
-                key = key.repeat_interleave(repeats, -3)
-                value = value.repeat_interleave(repeats, -3)
-            return _CausalChunks.apply(query, key, value, self.split.starts, self.split.chunk,
-                                       scale)
-        self._inside = True
-        try:
-            return lower_right_chunks(query, key, value, self.split.starts, self.split.chunk,
-                                      dropout_p, scale, enable_gqa)
-        finally:
-            self._inside = False
 
 
 class Context:
@@ -313,6 +55,10 @@ class Context:
               seq_dim: int | None = None) -> contextlib.AbstractContextManager[Tensors]:
         """A context yielding ``tensors`` as this rank runs them: here as they are."""
         return contextlib.nullcontext(tensors)
+
+    def check_documents(self) -> None:
+        """Refuse packed documents where this context cannot keep them apart (nothing to
+        refuse here)."""
 
     def whole_loss(self, loss: torch.Tensor, summed: bool) -> torch.Tensor:
         """The loss of the whole sequences from this rank's part of it: here the loss."""
@@ -393,13 +139,20 @@ class ContextParallel(Context):
                       else t for t in tensors)
         self._active = split
         try:
-            attention = _GatheredAttention(split, group, self.ranks, self._rank())
+            attention = GatheredAttention(split, group, self.ranks, self._rank())
             decoders = self._decoders.attention(attention) if self._decoders is not None \
                 else contextlib.nullcontext()
-            with _local_buffers(self.buffers, split), _attention_through(attention), decoders:
+            with _local_buffers(self.buffers, split), attention_through(attention), decoders:
                 yield parts
         finally:
             self._active = None
+
+    def check_documents(self) -> None:
+        raise ValueError(
+            "packed documents (self.documents) do not run under context_parallel > 1 yet: "
+            "the gathered attention masks keys by position only, and would let a "
+            "document's queries see the documents before it. Train packed documents with "
+            "FSDP2, HSDP, DDP or tensor parallelism, or pack without documents=True")
 
     def whole_loss(self, loss: torch.Tensor, summed: bool) -> torch.Tensor:
         """The sum of the ranks' losses (``summed``: sums over items), else their mean
@@ -442,21 +195,6 @@ def _find_buffers(path: str, models: Mapping[str, nn.Module]) -> list[tuple[nn.M
                 and module._buffers[buffer] is not None:
             found.append((module, buffer))
     return found
-
-
-@contextlib.contextmanager
-def _attention_through(attention: _GatheredAttention) -> Iterator[None]:
-    """``F.scaled_dot_product_attention`` is ``attention.attend`` until the context exits.
-
-    A module attribute rather than a torch-function mode: activation checkpointing
-    recomputes attention inside backward, where autograd runs without the modes of the
-    forward, and a mode would add a Python call to every other operation of the step.
-    """
-    F.scaled_dot_product_attention = attention.attend  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = _SDPA
 
 
 @contextlib.contextmanager

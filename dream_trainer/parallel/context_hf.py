@@ -25,14 +25,14 @@ import contextlib
 import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-if TYPE_CHECKING:
-    from dream_trainer.parallel.context import SequenceSplit, _GatheredAttention
+from dream_trainer.parallel.context_attention import GatheredAttention
+from dream_trainer.parallel.context_split import SequenceSplit
 
 Tensors = tuple[Any, ...]
 
@@ -105,7 +105,7 @@ class HFDecoders:
         self.handles = []
 
     @contextlib.contextmanager
-    def attention(self, gathered: _GatheredAttention) -> Iterator[None]:
+    def attention(self, gathered: GatheredAttention) -> Iterator[None]:
         """transformers' ``"sdpa"`` attention function wrapped until the context exits: the
         layer's local mask dropped (SDPA then runs causal) and its ``sliding_window`` set on
         ``gathered`` for the call."""

@@ -16,7 +16,6 @@ from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.device import DeviceParameters
 from dream_trainer.errors import StopTraining
 from dream_trainer.parallel.layout import Layout
-from dream_trainer.trainer.callback_collection import CallbackCollection
 from dream_trainer.trainer.history import History
 from dream_trainer.trainer.hooks import TrainerHooks
 from dream_trainer.trainer.phases import chain_base, run_phase_to_the_end
@@ -82,12 +81,13 @@ class AbstractTrainer(TrainerHooks, ABC):
     before the public hook whatever an override does.
     """
 
+    # ``callbacks`` is declared by the loop's parts that use it (``HookDispatch``,
+    # ``LoopState``): a callback is typed against this interface, so it names no callback type.
     config: AbstractTrainerConfig
     world: DistributedWorld
     layout: Layout
     """What differs between one process, data parallel, a pipeline and expert parallelism,
     resolved once from ``world.dims``: the loop and the mixins call it, never branch on it."""
-    callbacks: CallbackCollection
     training: bool
     sanity_checking: bool
     evaluating: bool

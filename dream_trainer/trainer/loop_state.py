@@ -11,6 +11,7 @@ from typing import Any
 from dream_trainer.data.stream import TrainBatches
 from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import AbstractTrainer
+from dream_trainer.trainer.callback_collection import CallbackCollection
 from dream_trainer.trainer.step_stages import UpdateVote
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,7 @@ class LoopState(AbstractTrainer):
     it was read with, what is still owed at the checkpoint's step, the gradient scaler and the
     callbacks' states; and the stateful train loader's position per rank."""
 
+    callbacks: CallbackCollection
     precision: Precision
     update_vote: UpdateVote
     _train_batches: TrainBatches | None

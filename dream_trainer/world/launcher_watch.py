@@ -27,7 +27,7 @@ class LauncherWatch:
     another parent).
 
     Ending at once is safe for checkpoints: one counts only once its ``dream_trainer.json``
-    is written, last, after every rank's data (``checkpoint.layout.is_complete``), so a save
+    is written, last, after every rank's data (``checkpoint.directory.is_complete``), so a save
     cut short is never loaded and the newest complete checkpoint stays the one a rerun
     resumes from. It is not done with ``prctl(PR_SET_PDEATHSIG)``: that signal fires when
     the parent *thread* that started the process ends (not only the parent process), says

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dream_trainer.checkpoint import CheckpointError, export_checkpoint
-from dream_trainer.checkpoint.layout import checksum_share, complete_checkpoints
+from dream_trainer.checkpoint.directory import checksum_share, complete_checkpoints
 from dream_trainer.configs import CheckpointParameters
 from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config, final_state
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dream_trainer.checkpoint.budget import BASE_VALUES, EXPANSION, MAX_DEPTH
-from dream_trainer.checkpoint.layout import CONFIG, METADATA
+from dream_trainer.checkpoint.directory import CONFIG, METADATA
 from dream_trainer.checkpoint.safe_pickle import loads
 from dream_trainer.checkpoint.state import join_tensors, unpack
 from dream_trainer.checkpoint.torch_archive import VIEW_BASE, VIEW_MULTIPLE, load_archive

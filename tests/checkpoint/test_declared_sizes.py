@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorStorageMetadata)
 
 from dream_trainer.checkpoint.declared import check_declared_sizes
-from dream_trainer.checkpoint.layout import INFO, METADATA, checksum
+from dream_trainer.checkpoint.directory import INFO, METADATA, checksum
 from dream_trainer.errors import CheckpointError
 from dream_trainer.weights.hf import Files
 from dream_trainer.weights.hf_reader import SliceReader, _check_coverage

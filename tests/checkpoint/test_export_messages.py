@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dream_trainer.checkpoint import CheckpointError, export_checkpoint
-from dream_trainer.checkpoint.layout import MODEL_PREFIX
+from dream_trainer.checkpoint.directory import MODEL_PREFIX
 from tests.helpers.crafted import (metadata_of, one_epoch_checkpoint, packed, replace_stored,
                                    stored)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dream_trainer.checkpoint.layout import checksum, complete_checkpoints, verify_files
+from dream_trainer.checkpoint.directory import checksum, complete_checkpoints, verify_files
 from dream_trainer.checkpoint.trust import safe_reader
 from tests.helpers.checkpointing import assert_same_state
 from tests.helpers.launch import REPO, check, run_script

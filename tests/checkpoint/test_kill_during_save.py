@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dream_trainer.checkpoint import export_checkpoint
-from dream_trainer.checkpoint.layout import complete_checkpoints, step_dirs
+from dream_trainer.checkpoint.directory import complete_checkpoints, step_dirs
 from tests.helpers.launch import REPO, child_env
 
 SCRIPT = REPO / "tests/scripts/kill_during_save.py"

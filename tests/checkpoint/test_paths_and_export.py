@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from dream_trainer import AbstractTrainerConfig
 from dream_trainer.checkpoint import CheckpointError, CheckpointInfo, export_checkpoint
-from dream_trainer.checkpoint.layout import INFO, METADATA, checksum, verify_files
+from dream_trainer.checkpoint.directory import INFO, METADATA, checksum, verify_files
 from dream_trainer.cli import main
 from dream_trainer.configs import apply_cli_overrides
 from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dream_trainer.checkpoint.layout import METADATA, CheckpointInfo, step_dir
+from dream_trainer.checkpoint.directory import METADATA, CheckpointInfo, step_dir
 from dream_trainer.checkpoint.retention import rotate
 from dream_trainer.configs import CheckpointParameters
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dream_trainer.checkpoint import CheckpointError
-from dream_trainer.checkpoint.layout import INFO, METADATA, checksum
+from dream_trainer.checkpoint.directory import INFO, METADATA, checksum
 from dream_trainer.cli import main
 from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dream_trainer.checkpoint.layout import INFO, METADATA, checksum
+from dream_trainer.checkpoint.directory import INFO, METADATA, checksum
 from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config
 from tests.helpers.launch import REPO, child_env
 

@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from dream_trainer.parallel.context import (SequenceSplit, _CausalChunks, lower_right_chunks,
-                                            sequence_positions, split_problem, window_chunks)
+from dream_trainer.parallel.context_attention import (_CausalChunks, lower_right_chunks,
+                                                      window_chunks)
 from dream_trainer.parallel.context_hf import check_attention
+from dream_trainer.parallel.context_split import SequenceSplit, sequence_positions, split_problem
 from tests.helpers.launch import REPO, check, torchrun
 from tests.helpers.hf import save_pretrained
 from tests.helpers.tolerance import assert_close_to_scale

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dream_trainer.checkpoint.layout import complete_checkpoints
+from dream_trainer.checkpoint.directory import complete_checkpoints
 from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config
 from tests.helpers.launch import REPO, check, torchrun
 from tests.helpers.toy import ToyTrainer, toy_config

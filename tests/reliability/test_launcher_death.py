@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dream_trainer.checkpoint.layout import complete_checkpoints, step_dirs
+from dream_trainer.checkpoint.directory import complete_checkpoints, step_dirs
 from dream_trainer.configs import DeviceParameters
 from dream_trainer.world import DistributedWorld, LaunchEnvironment
 from dream_trainer.world.launcher_watch import EXIT_CODE, POLL_SECONDS, LauncherWatch

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from dream_trainer.checkpoint import CheckpointError, export_checkpoint
-from dream_trainer.checkpoint.layout import complete_checkpoints, step_dirs
+from dream_trainer.checkpoint.directory import complete_checkpoints, step_dirs
 from tests.helpers.checkpointing import (CheckpointedTrainer, assert_same_state,
                                          checkpointed_config, final_state)
 

@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from dream_trainer.checkpoint import agreement, layout
+from dream_trainer.checkpoint import agreement, directory
 from dream_trainer.checkpoint.trust import reader_class
 from dream_trainer.configs import CheckpointParameters, DeviceParameters, TrainingParameters
 from dream_trainer.mixins import CheckpointConfigMixin, CheckpointMixin
@@ -83,7 +83,7 @@ def recording(record: dict[str, Any]) -> Iterator[None]:
         record["collective_calls"].update(collectives.calls)
         return result
 
-    checksum = layout.checksum
+    checksum = directory.checksum
 
     def recorded_checksum(file: Path) -> str:
         record["checksummed"].append(f"{file.parent.name}/{file.name}")
@@ -91,7 +91,7 @@ def recording(record: dict[str, Any]) -> Iterator[None]:
 
     with mock.patch.object(reader_class(), "read_data", recorded_read_data), \
             mock.patch.object(dcp, "load", recorded_load), \
-            mock.patch.object(layout, "checksum", recorded_checksum), \
+            mock.patch.object(directory, "checksum", recorded_checksum), \
             mock.patch.object(agreement, "checksum", recorded_checksum):
         yield
 

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from dream_trainer.callbacks import Callback
-from dream_trainer.checkpoint.layout import CheckpointError, complete_checkpoints
+from dream_trainer.checkpoint.directory import CheckpointError, complete_checkpoints
 from tests.helpers.checkpointing import (CheckpointedTrainer, assert_same_state,
                                          checkpointed_config, final_state)
 from tests.helpers.toy import ToyTrainer, toy_config

@@ -17,7 +17,7 @@ import pytest
 
 from dream_trainer.callbacks.hang_report import MAX_RECORD_BYTES, read_records, verdict
 from dream_trainer.checkpoint.agreement import MAX_CHANGES_SHOWN, config_changes, saved_config
-from dream_trainer.checkpoint.layout import INFO, METADATA, CheckpointInfo, checksum
+from dream_trainer.checkpoint.directory import INFO, METADATA, CheckpointInfo, checksum
 from dream_trainer.checkpoint.storage import LocalStorage
 from dream_trainer.cli import main
 from dream_trainer.errors import CheckpointError

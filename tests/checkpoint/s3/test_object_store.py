@@ -17,8 +17,8 @@ import pytest
 
 from dream_trainer.callbacks import Callback
 from dream_trainer.checkpoint import CheckpointError
-from dream_trainer.checkpoint.layout import (INFO, METADATA, CheckpointInfo,
-                                             complete_checkpoints, step_dirs, verify_files)
+from dream_trainer.checkpoint.directory import (INFO, METADATA, CheckpointInfo,
+                                                complete_checkpoints, step_dirs, verify_files)
 from dream_trainer.checkpoint.lock import LockHolder
 from dream_trainer.checkpoint.object_store import ObjectLock, ObjectStorage
 from dream_trainer.checkpoint.storage import ObjectPath, location, storage_for

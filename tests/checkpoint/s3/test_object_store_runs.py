@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dream_trainer.checkpoint.layout import (INFO, METADATA, complete_checkpoints, step_dirs,
-                                             verify_files)
+from dream_trainer.checkpoint.directory import (INFO, METADATA, complete_checkpoints, step_dirs,
+                                                verify_files)
 from dream_trainer.checkpoint.storage import ObjectPath, storage_for
 from dream_trainer.checkpoint.trust import safe_reader
 from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dream_trainer.checkpoint.declared import check_declared_sizes
-from dream_trainer.checkpoint.storage import Location, storage_for
+from dream_trainer.checkpoint.storage import storage_for
+from dream_trainer.checkpoint.storage_base import Location
 from dream_trainer.errors import CheckpointError
 from dream_trainer.utils.bounded import read_bounded
 
