@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import json
 import statistics
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing_extensions import override
 
 from dream_trainer.callbacks.throughput import Throughput
 from dream_trainer.cli.arguments import add_target, non_negative_int, positive_int
-from dream_trainer.cli.target import load_trainer
+from dream_trainer.cli.tool_run import run_tool, stopped_early
 from dream_trainer.planning.session import train_steps
 from dream_trainer.trainer.base import BaseTrainer
 from dream_trainer.trainer.callback import RankZeroCallback
@@ -42,17 +41,19 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    trainer = load_trainer(args.target, overrides)
-    total = args.warmup + args.steps
-    throughput = Throughput(window=total)
-    train_steps(trainer, total, _Synchronize(), throughput)
-    if not trainer.world.is_rank_zero:
-        return 0
-    times = throughput.step_times[args.warmup:]
+    return run_tool(args, overrides, _measure, _print)
+
+
+def _measure(args: argparse.Namespace, trainer: BaseTrainer) -> list[float]:
+    """The step times after warm-up (fewer than ``--steps`` when a callback stopped it)."""
+    throughput = Throughput(window=args.warmup + args.steps)
+    train_steps(trainer, args.warmup + args.steps, _Synchronize(), throughput)
+    return throughput.step_times[args.warmup:]
+
+
+def _print(args: argparse.Namespace, trainer: BaseTrainer, times: list[float]) -> int:
     if len(times) < args.steps:
-        print(f"error: training ended after {trainer.global_step} optimizer steps, before the "
-              f"{total} asked for (a callback stopped it)", file=sys.stderr)
-        return 1
+        return stopped_early(trainer, f"the {args.warmup + args.steps} asked for")
     figures = _figures(trainer, args.warmup, times)
     print(_report(figures))
     if args.json is not None:

@@ -12,11 +12,10 @@ import torch
 from torch import nn
 
 from dream_trainer.cli.arguments import add_target
-from dream_trainer.cli.target import load_trainer
+from dream_trainer.cli.tool_run import run_tool
 from dream_trainer.parallel.blocks import find_blocks
-from dream_trainer.planning.session import sandboxed, set_up
+from dream_trainer.planning.session import sandboxed, set_up, without_callbacks_or_compilation
 from dream_trainer.trainer.base import BaseTrainer
-from dream_trainer.trainer.callback_collection import CallbackCollection
 
 # Lines of a dynamo graph-break reason after which it only addresses torch developers.
 _REASON_END = ("Developer debug context", "For more details")
@@ -50,22 +49,16 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    trainer = load_trainer(args.target, overrides)
-    if trainer.world.world_size > 1:
-        print("dream-trainer find-graph-breaks: error: it runs in one process; run it with "
-              "python, not torchrun", file=sys.stderr)
-        return 2
+    return run_tool(args, overrides, _explain, _print, one_process=True)
+
+
+def _explain(args: argparse.Namespace, trainer: BaseTrainer) -> list[BlockReport]:
     # Eager blocks, so that explain sees the user's code; no callbacks, since one step runs
     # outside of fit().
-    device = trainer.config.device_parameters
-    trainer.replace_config(trainer.config.model_copy(update={
-        "callbacks": CallbackCollection(),
-        "device_parameters": device.model_copy(update={"compile_model": False})}))
+    without_callbacks_or_compilation(trainer)
     with sandboxed(trainer):
         with set_up(trainer):
-            reports = _explain_blocks(trainer)
-    _print(reports)
-    return 0
+            return _explain_blocks(trainer)
 
 
 def _explain_blocks(trainer: BaseTrainer) -> list[BlockReport]:
@@ -142,7 +135,7 @@ def _describe(reason: Any) -> str:
     return where + source + "".join(f"\n    {line}" for line in lines)
 
 
-def _print(reports: list[BlockReport]) -> None:
+def _print(args: argparse.Namespace, trainer: BaseTrainer, reports: list[BlockReport]) -> int:
     seen: dict[tuple[str, tuple[str, ...]], str] = {}
     total = 0
     for report in reports:
@@ -160,3 +153,4 @@ def _print(reports: list[BlockReport]) -> None:
             print(f"  {index}. {description}")
     print(f"{len(reports)} block{'s' if len(reports) != 1 else ''} explained, {total} graph "
           f"break{'s' if total != 1 else ''} in all")
+    return 0

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
 from dream_trainer.callbacks.profiler import Profiler
 from dream_trainer.cli.arguments import add_target, positive_int
-from dream_trainer.cli.target import load_trainer
+from dream_trainer.cli.tool_run import run_tool, stopped_early
 from dream_trainer.planning.session import train_steps
+from dream_trainer.trainer.base import BaseTrainer
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -36,17 +36,20 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    trainer = load_trainer(args.target, overrides)
-    total = args.warmup + args.steps
+    return run_tool(args, overrides, _record, _print)
+
+
+def _record(args: argparse.Namespace, trainer: BaseTrainer) -> Profiler:
     profiler = Profiler(start_step=args.warmup, num_steps=args.steps, output_dir=args.out)
-    train_steps(trainer, total, profiler)
-    if not trainer.world.is_rank_zero:
-        return 0
+    train_steps(trainer, args.warmup + args.steps, profiler)
+    return profiler
+
+
+def _print(args: argparse.Namespace, trainer: BaseTrainer, profiler: Profiler) -> int:
     if profiler.trace_path is None or profiler.summary_path is None:
-        print(f"error: training ended after {trainer.global_step} optimizer steps, before the "
-              "profiler recorded any (a callback stopped it)", file=sys.stderr)
-        return 1
-    print(f"top operators by self CPU time (optimizer steps {args.warmup + 1}-{total}, rank 0):")
+        return stopped_early(trainer, "the profiler recorded any")
+    print(f"top operators by self CPU time (optimizer steps {args.warmup + 1}-"
+          f"{args.warmup + args.steps}, rank 0):")
     print(profiler.summary_path.read_text().rstrip())
     print(f"trace: {profiler.trace_path} (one trace_rank<r>.json per rank; open it in "
           "https://ui.perfetto.dev or chrome://tracing)")

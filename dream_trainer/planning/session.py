@@ -18,7 +18,8 @@ from dream_trainer.configs.logging import LoggingParameters
 from dream_trainer.configs.training import TrainingParameters
 from dream_trainer.trainer.base import BaseTrainer
 from dream_trainer.trainer.callback import Callback
-from dream_trainer.trainer.phases import call_through
+from dream_trainer.trainer.callback_collection import CallbackCollection
+from dream_trainer.trainer.lifetime import torn_down
 from dream_trainer.world.materialization import Materialization
 
 
@@ -112,13 +113,18 @@ def set_up(trainer: BaseTrainer,
     The process group is torn down afterwards exactly as ``fit()`` tears it down, also when
     ``set_up()`` or the block raises.
     """
-    completed = False
-    try:
+    with torn_down(trainer):
         trainer.set_up(materialization)
         yield
-        completed = True
-    finally:
-        try:
-            call_through(trainer, "teardown")
-        finally:
-            trainer.world.shutdown(graceful=completed)
+
+
+def without_callbacks_or_compilation(trainer: BaseTrainer) -> None:
+    """Replace the trainer's config by a copy with no callbacks and ``compile_model=False``.
+
+    For a tool that runs a step outside of ``fit()`` and needs the blocks eager; each caller
+    says why it needs both.
+    """
+    device = trainer.config.device_parameters
+    trainer.replace_config(trainer.config.model_copy(update={
+        "callbacks": CallbackCollection(),
+        "device_parameters": device.model_copy(update={"compile_model": False})}))
