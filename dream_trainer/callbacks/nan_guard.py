@@ -203,10 +203,9 @@ class NanGuard(Callback):
         if not self._check_grad_norm:
             return ("with param_dtype=float16 overflowing gradients are routine (the scaler "
                     "skips those steps), so only the loss is checked, after the update")
-        sharded = {"dp_shard": dims.dp_shard, "tensor_parallel": dims.tp,
-                   "context_parallel": dims.cp, "pipeline_parallel": dims.pp,
-                   "expert_parallel": dims.ep}
-        collective = [f"{name}={degree}" for name, degree in sharded.items() if degree > 1]
+        # Every degree but dp_replicate (DDP can pass a rank alone) makes passes collective.
+        collective = [f"{name}={degree}" for name, degree in dims.degrees().items()
+                      if degree > 1 and name != "dp_replicate"]
         if collective:
             return (f"with {', '.join(collective)} every forward and backward is collective, "
                     "and each rank's re-run stops at its own first finding, so the ranks would "

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from torch import nn
 from typing_extensions import override
 
+from dream_trainer.configs.device import MESH_DEGREES
 from dream_trainer.nn.moe import active_parameters, moe_layers
 from dream_trainer.parallel.dtensor import local_tensor
 from dream_trainer.trainer.abstract import AbstractTrainer
@@ -160,16 +161,12 @@ class TrainerSummary(RankZeroCallback[BaseTrainer]):
         trainer = self.trainer
         params = trainer.training_parameters
         device = trainer.config.device_parameters
-        dims = trainer.world.dims
         steps_per_epoch = trainer.train_steps_per_epoch
+        layout = trainer.layout.describe(device)
         self.summary = {
             "world_size": trainer.world.world_size,
             "device": str(trainer.world.device),
-            "pipeline_parallel": dims.pp,
-            "dp_replicate": dims.dp_replicate,
-            "dp_shard": dims.dp_shard,
-            "context_parallel": dims.cp,
-            "tensor_parallel": dims.tp,
+            **{field: layout.degrees[field] for field in MESH_DEGREES},
             "batch_size_per_rank": params.train_batch_size,
             "gradient_accumulation_steps": params.gradient_accumulation_steps,
             "global_batch_size": trainer.global_batch_size,
@@ -178,15 +175,8 @@ class TrainerSummary(RankZeroCallback[BaseTrainer]):
             "total_optimizer_steps": planned_optimizer_steps(params, steps_per_epoch),
             "param_dtype": str(device.param_dtype).removeprefix("torch."),
             "reduce_dtype": str(device.reduce_dtype).removeprefix("torch."),
+            **layout.settings,
         }
-        if dims.cp > 1:
-            self.summary.update({
-                "context_parallel_seq_dim": device.context_parallel_seq_dim,
-                "context_parallel_load_balance": device.context_parallel_load_balance})
-        if dims.pp > 1:
-            self.summary.update({"pipeline_schedule": device.pipeline_schedule,
-                                 "pipeline_stages": dims.pp_stages,
-                                 "pipeline_microbatches": dims.pp_microbatches})
         from rich.table import Table
 
         table = Table(title="Trainer")

@@ -12,8 +12,9 @@ from torch import nn
 
 from dream_trainer.callbacks.summaries import ModelSummary, TrainerSummary
 from dream_trainer.cli.arguments import add_target, non_negative_int
-from dream_trainer.cli.target import load_trainer
+from dream_trainer.cli.tool_run import run_tool
 from dream_trainer.configs.device import DeviceParameters
+from dream_trainer.parallel.parts import ContextPart
 from dream_trainer.parallel.pipeline import PipelineStages, describe_stage
 from dream_trainer.planning.session import attach, sandboxed, set_up
 from dream_trainer.trainer.base import BaseTrainer
@@ -36,7 +37,11 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    trainer = load_trainer(args.target, overrides)
+    return run_tool(args, overrides, _summarize, _print)
+
+
+def _summarize(args: argparse.Namespace, trainer: BaseTrainer) -> dict[str, str]:
+    """Each section's title and text; empty on ranks other than 0, whose summaries are empty."""
     config_json = trainer.config.model_dump_json(indent=2)  # the user's, before the sandbox
     model_tables, schedule_table = io.StringIO(), io.StringIO()
     models = ModelSummary(max_depth=args.depth, stream=model_tables)
@@ -46,8 +51,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         with set_up(trainer):
             stages = _pipeline_stages(trainer)  # a collective: before the ranks part
             if not trainer.world.is_rank_zero:
-                return 0
-            sections = {
+                return {}
+            return {
                 f"config ({type(trainer.config).__name__})": config_json,
                 "world": _world(trainer),
                 "models": "\n".join([model_tables.getvalue().rstrip()] + [
@@ -57,6 +62,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
                 "data": _data(trainer, schedule.summary["optimizer_steps_per_epoch"]),
                 "schedule": schedule_table.getvalue().rstrip(),
             }
+
+
+def _print(args: argparse.Namespace, trainer: BaseTrainer, sections: dict[str, str]) -> int:
     for title, body in sections.items():
         print(f"== {title} ==\n{body}\n")
     return 0
@@ -69,23 +77,20 @@ def _world(trainer: BaseTrainer) -> str:
             else "none (every degree is 1)")
     data_parallel = (f"{trainer.data_parallel.name} over {world.dp_size} ranks"
                      if world.dp_size > 1 else "none")
+    layout = trainer.layout.describe(trainer.config.device_parameters)
     lines = [f"world size {world.world_size}, device {world.device}, backend {world.backend}",
              f"mesh: {mesh}; data parallel: {data_parallel}"]
-    if world.dims.cp > 1:
+    if layout.parts:
+        lines.append(f"parts, in build order: {', '.join(layout.parts)}")
+    if ContextPart.name in layout.parts:
         lines.append(_context(world.dims, trainer.config.device_parameters))
     return "\n".join(lines)
 
 
 def _context(dims: ParallelDims, device: DeviceParameters) -> str:
     """How context parallelism splits each sequence, and what FSDP2 shards over with it."""
-    cp = dims.cp
-    if device.context_parallel_load_balance:
-        chunks, held = 2 * cp, f"load balanced: rank r holds chunks r and {2 * cp - 1}-r"
-    else:
-        chunks, held = cp, "contiguous: rank r holds chunk r"
-    return (f"context parallel: each sequence split over {cp} ranks along dim "
-            f"{device.context_parallel_seq_dim} into {chunks} chunks ({held}); FSDP2 shards "
-            f"the weights over dp_shard x cp = {dims.fsdp} ranks")
+    return (f"context parallel: {ContextPart().describe(device, dims)}; FSDP2 shards the "
+            f"weights over dp_shard x cp = {dims.fsdp} ranks")
 
 
 def _model(name: str, model: nn.Module, summary: ModelSummary) -> str:

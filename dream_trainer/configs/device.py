@@ -46,8 +46,16 @@ TorchDType = Annotated[
 Degree = PositiveInt | Literal["auto"]
 """A mesh degree: a positive size, or ``"auto"`` for whatever the world size leaves over."""
 
-_DEGREE_FIELDS = ("dp_replicate", "dp_shard", "context_parallel", "tensor_parallel",
-                  "pipeline_parallel")
+MESH_DEGREES: dict[str, str] = {"pipeline_parallel": "pp", "dp_replicate": "dp_replicate",
+                                "dp_shard": "dp_shard", "context_parallel": "cp",
+                                "tensor_parallel": "tp"}
+"""The ``DeviceParameters`` fields that size the mesh, outermost axis first (tensor parallel
+innermost, so that its frequent collectives stay on the fastest links), each with its short
+name: the mesh axis and the ``ParallelDims`` attribute. The one list of them."""
+
+DEGREES: dict[str, str] = {**MESH_DEGREES, "expert_parallel": "ep"}
+"""Every parallel degree: the mesh's, and expert parallelism, which borrows its ranks from
+``dp_shard x context_parallel``."""
 
 PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
                            "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
@@ -320,7 +328,7 @@ class DeviceParameters(ConfigModel):
             return self
         dp_replicate: Degree = "auto"
         dp_shard: Degree = self.dp_shard if "dp_shard" in given else 1
-        if any(getattr(self, name) == "auto" for name in _DEGREE_FIELDS if name in given):
+        if any(getattr(self, name) == "auto" for name in MESH_DEGREES if name in given):
             dp_replicate = 1  # the "auto" degree given takes the spare ranks
         elif (self.pipeline_parallel != 1 or self.expert_parallel != 1) \
                 and "dp_shard" not in given:
@@ -334,7 +342,7 @@ class DeviceParameters(ConfigModel):
 
     @model_validator(mode="after")
     def _check_degrees(self) -> DeviceParameters:
-        autos = [name for name in _DEGREE_FIELDS if getattr(self, name) == "auto"]
+        autos = [name for name in MESH_DEGREES if getattr(self, name) == "auto"]
         if len(autos) > 1:
             raise ValueError(
                 f"{' and '.join(autos)} are each 'auto': at most one mesh degree can be 'auto'; "
@@ -342,7 +350,7 @@ class DeviceParameters(ConfigModel):
             )
         if self.init_timeout <= timedelta(0) or self.train_timeout <= timedelta(0):
             raise ValueError("init_timeout and train_timeout must be positive durations")
-        problem = degree_problem(self, {name: getattr(self, name) for name in _DEGREE_FIELDS})
+        problem = degree_problem(self, {name: getattr(self, name) for name in MESH_DEGREES})
         if problem is not None:
             raise ValueError(problem)
         self._check_float8()

@@ -1,10 +1,9 @@
-"""How ``SetupMixin`` parallelizes the models: float8 conversion, the overridable hooks
-(pipeline split, tensor parallelism, activation checkpointing, compilation, FSDP2, DDP) and
-the order they run in."""
+"""The overridable parallelism hooks of ``SetupMixin`` (pipeline split, tensor and expert
+parallelism, activation checkpointing, compilation, FSDP2, DDP). The layout's parts call
+them, in the order ``dream_trainer.parallel.parts.PARTS`` declares."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -14,18 +13,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from dream_trainer.parallel.blocks import find_blocks
 from dream_trainer.parallel.data_parallel import DDPBackend
 from dream_trainer.parallel.experts import distribute_experts
-from dream_trainer.parallel.float8 import convert_to_float8
-from dream_trainer.parallel.float8_experts import convert_experts_to_float8
 from dream_trainer.parallel.hf_pipeline import split_pipeline
 from dream_trainer.trainer.abstract import AbstractTrainer
-from dream_trainer.world.dims import MeshAxis
-
-logger = logging.getLogger(__name__)
 
 
 class ParallelizeModels(AbstractTrainer):
     """The parallelism half of ``SetupMixin``: its hooks, which a trainer overrides for its
-    own models, and the order ``build_training()`` applies them in."""
+    own models; the layout's parts call them in their declared order (docs/concepts.md,
+    "The build order")."""
 
     # -- hooks ---------------------------------------------------------------------------------
     def apply_pipeline_parallel(self, pp_mesh: DeviceMesh) -> list[nn.Module]:
@@ -147,64 +142,3 @@ class ParallelizeModels(AbstractTrainer):
         for name, model in self.named_models().items():
             if any(p.requires_grad for p in model.parameters()):
                 setattr(self, name, backend.wrap(model, mesh, self.world.device))
-
-    # -- applying them -------------------------------------------------------------------------
-    def _apply_parallelism(self) -> None:
-        params = self.config.device_parameters
-        dims = self.world.dims
-        if params.float8_recipe is not None:
-            self._convert_float8()
-        if dims.tp > 1:
-            tp_mesh = self.world.get_mesh(MeshAxis.TP)
-            assert tp_mesh is not None
-            self.apply_tensor_parallel(tp_mesh)
-        self.layout.experts.split(self.apply_expert_parallel)
-        if params.checkpoint_activations:
-            self.apply_activation_checkpointing()
-        if params.compile_model:
-            self.apply_compile()
-        if dims.fsdp > 1:
-            config = self._fully_shard_config()
-            self.layout.experts.fully_shard(self.named_models().values(), config)
-            self.apply_fully_shard(config)
-
-    def _convert_float8(self) -> None:
-        """Swap every model's eligible Linear layers for torchao's ``Float8Linear`` and, where
-        the hardware has the kernel, wrap its routed experts for float8 grouped products (on
-        the meta device, before any other parallelism, which then shards them)."""
-        params, dims = self.config.device_parameters, self.world.dims
-        # torchao all-gathers float8 weights with tensorwise scales only.
-        all_gather = params.float8_recipe == "tensorwise" and dims.fsdp > 1
-        for name, model in self.named_models().items():
-            converted = convert_to_float8(model, params.float8_recipe, params.float8_filter,
-                                          self.world.device, all_gather)
-            logger.info("%s: %d Linear layers train in float8 (%s)", name, len(converted),
-                        params.float8_recipe)
-            experts = convert_experts_to_float8(model, self.world.device)
-            if experts:
-                logger.info("%s: %d routed expert modules train in float8 (rowwise)", name,
-                            len(experts))
-
-    def _bind_model(self, name: str, module: nn.Module) -> nn.Module:
-        """Make the model attribute ``name`` hold ``module``; return what it held. The layout
-        builds a pipeline through it: the hooks run on each stage as on the model."""
-        previous: nn.Module = getattr(self, name)
-        setattr(self, name, module)
-        return previous
-
-    def _reseed(self) -> None:
-        self.world.seed(self.config.seed)
-
-    def _fully_shard_config(self) -> dict[str, Any]:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-
-        params = self.config.device_parameters
-        precision = MixedPrecisionPolicy(
-            param_dtype=None if params.param_dtype == torch.float32 else params.param_dtype,
-            reduce_dtype=params.reduce_dtype,
-        )
-        # Pinned memory needs an accelerator; on a CPU-only machine pinning fails.
-        offload = CPUOffloadPolicy(pin_memory=self.world.device.type == "cuda") \
-            if params.cpu_offload else OffloadPolicy()
-        return {"mesh": self.world.fsdp_mesh, "mp_policy": precision, "offload_policy": offload}
-

@@ -20,15 +20,12 @@ from dream_trainer.configs.base import ConfigModel
 from dream_trainer.configs.checkpoint import url_or_path
 from dream_trainer.data.loaders import prepare_loader
 from dream_trainer.mixins.parallelize import ParallelizeModels
-from dream_trainer.parallel.materialize import (FullTensorInit, find_uninitialized,
-                                                has_meta_tensors, materialize,
-                                                parameters_named)
+from dream_trainer.parallel.build import ModelAttributes, ModelBuild
 from dream_trainer.trainer.phases import runs_on
 from dream_trainer.trainer.schedulers import step_with_metric, takes_metric
 from dream_trainer.trainer.validation import map_loaders, named_sets
 from dream_trainer.weights.hf import DEFAULT_MAX_SHARD_BYTES, ExportFormat
 from dream_trainer.weights.keys import TransformedKey
-from dream_trainer.world.agree import agree_any
 
 if TYPE_CHECKING:
     from dream_trainer.checkpoint.pretrained import PretrainedWeights
@@ -72,35 +69,28 @@ class SetupMixin(ParallelizeModels):
 
     ``build_models()`` runs ``configure_models()`` under ``torch.device("meta")``: every
     ``nn.Module`` it assigns to ``self`` is a model, and none gets storage.
-    ``build_training()`` then runs, in this order:
+    ``build_training()`` then has the layout build them: each active part of
+    ``dream_trainer.parallel.parts.PARTS`` acts on the meta models in the declared order
+    (docs/concepts.md, "The build order", says what each does and when it is active),
+    calling this class's ``apply_*`` hooks; under ``pipeline_parallel > 1`` the model is
+    first split (``apply_pipeline_parallel``) and the parts act on each stage of this rank,
+    bound to the model attribute, which becomes a ``PipelineStages``. Then:
 
-    0. ``apply_pipeline_parallel(pp_mesh)`` when ``pipeline_parallel > 1``: the model is split
-       into stages, steps 1-4 run once per stage of this rank (with the model attribute
-       bound to that stage), and the model attribute becomes a ``PipelineStages`` holding
-       them; materialization gives the weights a one-process run would have, also with the
-       user's ``init_weights()`` (DDP replicas of stages are refused: they shard with FSDP2);
-    1. with ``float8_recipe``, every model's eligible ``nn.Linear`` becomes torchao's
-       ``Float8Linear`` (``float8_filter`` and misaligned layers stay in high precision;
-       emulated without float8 hardware), so that the steps below shard the float8 modules
-       (``float8_tensor_parallel_styles`` gives ``apply_tensor_parallel`` the matching
-       styles); then ``apply_tensor_parallel(tp_mesh)`` when ``tensor_parallel > 1``;
-    2. ``apply_activation_checkpointing()`` when ``checkpoint_activations``;
-    3. ``apply_compile()`` when ``compile_model``;
-    4. ``apply_fully_shard(config)`` when ``dp_shard x context_parallel > 1``;
-    5. materialization: ``to_empty`` on the device, every submodule's ``reset_parameters()``,
-       then ``init_weights()``; a tensor left on meta or non-finite is an error naming it.
-       Random initializers of sharded (DTensor) parameters draw the full tensor and keep
-       the local shard, so a sharded model starts from exactly the single-process weights.
-       A ``transformers`` model gets its library's own initialization before
-       ``init_weights()``, so it needs none of the user's. Parameters that
-       ``init_weights_from`` will set are neither initialized nor checked;
-    6. ``init_weights_from``: pretrained weights read into each rank's shards (keys through
-       ``map_pretrained_key``; missing ones keep their values when not strict);
-    7. ``apply_replicate(dp_mesh)`` when only ``dp_replicate > 1`` (DDP needs real tensors,
-       because it broadcasts rank 0's weights when it wraps the model);
-    8. ``configure_optimizers()``, ``configure_schedulers()``, ``configure_dataloaders()``
-       (map-style loaders with a plain sampler get a ``ResumableSampler``, on one rank too:
-       it splits the data across data-parallel ranks and can resume mid-epoch).
+    - materialization: ``to_empty`` on the device, every submodule's ``reset_parameters()``,
+      then ``init_weights()``; a tensor left on meta or non-finite is an error naming it.
+      Random initializers of sharded (DTensor) parameters draw the full tensor and keep the
+      local shard, so a sharded model (or a pipeline, also with the user's
+      ``init_weights()``) starts from exactly the single-process weights. A
+      ``transformers`` model gets its library's own initialization before
+      ``init_weights()``, so it needs none of the user's. Parameters that
+      ``init_weights_from`` will set are neither initialized nor checked;
+    - ``init_weights_from``: pretrained weights read into each rank's shards (keys through
+      ``map_pretrained_key``; missing ones keep their values when not strict);
+    - the parts that act on built models (DDP's ``apply_replicate``, which broadcasts rank
+      0's weights; context parallelism finding the position buffers);
+    - ``configure_optimizers()``, ``configure_schedulers()``, ``configure_dataloaders()``
+      (map-style loaders with a plain sampler get a ``ResumableSampler``, on one rank too:
+      it splits the data across data-parallel ranks and can resume mid-epoch).
     """
 
 
@@ -271,59 +261,13 @@ class SetupMixin(ParallelizeModels):
     def build_training(self) -> None:
         """Parallelize, materialize and wrap the models (as the layout does: split into
         stages under a pipeline); then optimizers, schedulers, data."""
-        self.layout.build_models(self)
-        self.layout.context.bind(self.context_parallel_buffers(), self.named_models())
+        self.layout.build_models(ModelBuild(
+            hooks=self, models=ModelAttributes(self, self._model_names),
+            pretrained_weights=self._pretrained_weights, seed=self.config.seed,
+            own_init_weights=type(self).init_weights is not SetupMixin.init_weights))
         self._setup_optimizers()
         self._setup_schedulers()
         self._setup_dataloaders()
-
-    def _materialize_models(self) -> None:
-        device = self.world.device
-        pretrained = self._pretrained_weights()
-        # Re-seed so the weights depend only on the seed, whatever configure_models drew.
-        self._reseed()
-        loaded: list[torch.Tensor] = []
-        for name, model in self.named_models().items():
-            names = pretrained.names(name) if pretrained is not None else set()
-            if has_meta_tensors(model):
-                materialize(model, device, skip=names,
-                            values=self.world.materialization.has_values)
-            else:
-                model.to(device)
-            loaded += parameters_named(model, names)
-        self._init_weights(loaded, pretrained)
-
-    def _init_weights(self, loaded: list[torch.Tensor] | None = None,
-                      pretrained: PretrainedWeights | None = None,
-                      run_init_weights: bool = True) -> None:
-        """Run ``init_weights()`` (unless it already ran, on a pipeline's whole model),
-        require every tensor to be initialized (but those ``pretrained`` will set, in
-        ``loaded``), then load ``pretrained``."""
-        device = self.world.device
-        loaded = loaded or []
-        if not self.world.materialization.has_values:
-            self.init_weights()
-            return  # no values to draw in full, to check, nor any to load
-        if run_init_weights:
-            with FullTensorInit(skip=loaded):
-                self.init_weights()
-        # The parameters left for the pretrained weights still hold NaN; the load sets every
-        # one of them or raises.
-        bad = [entry for name, model in self.named_models().items()
-               for entry in find_uninitialized(name, model, skip=loaded)]
-        if agree_any(bool(bad), device):
-            raise RuntimeError(
-                "some model tensors were never initialized: "
-                + (", ".join(bad[:10]) if bad else "(found on another rank)")
-                + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
-                + ". Give their module a reset_parameters() method or set them in "
-                "init_weights() (buffers computed in __init__ are lost on the meta device)"
-            )
-        if pretrained is not None:
-            pretrained.load(expected=loaded, device=device)
-
-    def _has_own_init_weights(self) -> bool:
-        return type(self).init_weights is not SetupMixin.init_weights
 
     def _pretrained_weights(self) -> PretrainedWeights | None:
         """The planned ``init_weights_from`` load (sources opened, metadata only), if any."""

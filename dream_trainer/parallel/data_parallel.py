@@ -23,6 +23,9 @@ class DataParallelBackend(ABC):
     """
 
     name: str
+    shards: bool = False
+    """Whether the parameters are sharded (FSDP2): FSDP2 then casts them itself, float8
+    all-gathers in float8, and float16 needs the sharded gradient scaler."""
 
     @abstractmethod
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
@@ -30,6 +33,10 @@ class DataParallelBackend(ABC):
 
     def after_validation(self, model: nn.Module) -> None:
         """Return ``model`` to its training layout after forward passes without backward."""
+
+    @abstractmethod
+    def describe(self, dims: ParallelDims) -> str:
+        """How the models are replicated over ``dims``, in a few words (summaries)."""
 
     def local_pass(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """A context in which ``model``'s forward and backward run on this rank alone, for a
@@ -49,11 +56,17 @@ class NoDataParallel(DataParallelBackend):
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         return None
 
+    def describe(self, dims: ParallelDims) -> str:
+        return "one data-parallel rank"
+
 
 class DDPBackend(DataParallelBackend):
     """``DistributedDataParallel`` over the data-parallel mesh."""
 
     name = "ddp"
+
+    def describe(self, dims: ParallelDims) -> str:
+        return f"DDP over {dims.dp_replicate} replicas"
 
     def wrap(self, model: nn.Module, mesh: DeviceMesh, device: torch.device) -> nn.Module:
         """Wrap ``model`` in DDP; rank 0's parameters and buffers are broadcast to all ranks."""
@@ -86,6 +99,12 @@ class FSDPBackend(DataParallelBackend):
     """FSDP2 (``fully_shard``) over the shard axis, replicated across dp_replicate for HSDP."""
 
     name = "fsdp"
+    shards = True
+
+    def describe(self, dims: ParallelDims) -> str:
+        cp = f" (dp_shard={dims.dp_shard} x context_parallel={dims.cp})" if dims.cp > 1 else ""
+        hsdp = f", HSDP over {dims.dp_replicate} replicas" if dims.dp_replicate > 1 else ""
+        return f"FSDP2 over {dims.fsdp} ranks{cp}{hsdp}"
 
     # torch.distributed.fsdp is imported where used: importing it costs about 0.9 s (it loads
     # DTensor and sympy), which runs that never shard should not pay at `import dream_trainer`.
@@ -129,7 +148,9 @@ def _without_sync(model: DistributedDataParallel) -> Iterator[None]:
 
 
 def backend_for(dims: ParallelDims) -> DataParallelBackend:
-    """The backend that matches the resolved mesh degrees."""
+    """The backend that matches the resolved mesh degrees: the one place that decides
+    between FSDP2 (sharding over ``dp_shard x cp``), DDP and none; everything else reads
+    the backend (``name``, ``shards``)."""
     if dims.fsdp > 1:
         return FSDPBackend()
     if dims.dp_replicate > 1:

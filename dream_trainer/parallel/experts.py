@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dream_trainer.nn.moe import moe_layers
+from dream_trainer.world.agree import agree_any
+from dream_trainer.world.dims import MeshAxis
+from dream_trainer.world.world import DistributedWorld
 
 
 def distribute_experts(model: nn.Module, ep_mesh: DeviceMesh) -> int:
@@ -48,3 +52,51 @@ def fully_shard_experts(model: nn.Module, efsdp_mesh: DeviceMesh, config: dict[s
     for layer in moe_layers(model):
         if layer.ep_group is not None:
             fully_shard(layer.experts, **{**config, "mesh": efsdp_mesh})
+
+
+class Experts:
+    """Without expert parallelism every rank holds every expert: nothing to split or shard.
+
+    A part of every layout, since expert parallelism composes with the other degrees (it
+    borrows its ranks from ``dp_shard`` x ``cp``); ``ExpertParallel`` is the one that acts.
+    """
+
+    def found_anywhere(self, here: bool) -> bool:
+        """Whether the run's models hold ``MoE`` layers anywhere, given whether the model
+        ``apply_expert_parallel`` was just called on does: here, that model's answer."""
+        return here
+
+    def fully_shard(self, models: Iterable[nn.Module], config: dict[str, Any]) -> None:
+        """Shard the experts with FSDP2 before the blocks holding them are sharded."""
+
+
+class ExpertParallel(Experts):
+    """``expert_parallel > 1``: experts split over the ``ep`` axis (within a pipeline stage,
+    apart from tensor-parallel ranks, which route the same tokens alike), then sharded by
+    FSDP2 over the ranks left (``efsdp``, replicated over ``dp_replicate`` for HSDP)."""
+
+    def __init__(self, world: DistributedWorld) -> None:
+        self.world = world
+        self._stages_seen: list[bool] = []
+
+    def found_anywhere(self, here: bool) -> bool:
+        """Under a pipeline ``apply_expert_parallel`` runs once per stage, and a stage without
+        ``MoE`` layers is fine when another has some: the ``i``-th call of every pipeline
+        rank meets the others' ``i``-th in one collective (each rank holds as many stages),
+        and the verdict falls at this rank's last stage, the same on every rank (True
+        before it)."""
+        if self.world.dims.pp == 1:
+            return here
+        pp_mesh = self.world.launched_mesh(MeshAxis.PP)
+        self._stages_seen.append(agree_any(here, self.world.device, pp_mesh.get_group()))
+        if len(self._stages_seen) < self.world.dims.pp_stages_per_rank:
+            return True
+        seen, self._stages_seen = self._stages_seen, []
+        return any(seen)
+
+    def fully_shard(self, models: Iterable[nn.Module], config: dict[str, Any]) -> None:
+        mesh = self.world.expert_fsdp_mesh
+        if mesh is None:
+            raise RuntimeError("the efsdp mesh axis does not exist: the run is not launched")
+        for model in models:
+            fully_shard_experts(model, mesh, config)

@@ -1,12 +1,12 @@
-"""The layout strategy: what differs between one process (or data parallel), a pipeline and
-expert parallelism, behind one interface that the loop and the mixins call without asking
-which layout they are in.
+"""The layout strategy: what differs between running each model whole and a pipeline, behind
+one interface that the loop and the mixins call without asking which layout they are in.
 
 ``Layout.resolve`` picks it once per trainer from the resolved degrees (``world.dims``):
 ``Layout`` runs each model whole on every rank (one process, DDP, FSDP2, tensor
 parallelism); ``PipelineLayout`` splits the one model into stages that the schedule runs.
-Expert and context parallelism compose with either, so they are parts of the layout
-(``Experts``, ``Context``) rather than kinds of it.
+Both build the models by running the parts (``parallel/parts.py``) in their declared order
+(``PARTS``), a pipeline once per stage. Expert and context parallelism compose with either,
+so what they keep for the step lives here too (``Experts``, ``Context``).
 """
 
 from __future__ import annotations
@@ -14,22 +14,26 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
+from dream_trainer.configs.device import DeviceParameters
 from dream_trainer.configs.training import TrainingParameters, pipeline_batch_problem
 from dream_trainer.data.loaders import pipeline_split_problem
 from dream_trainer.parallel.context import Context, ContextParallel
 from dream_trainer.parallel.data_parallel import DataParallelBackend
+from dream_trainer.parallel.documents import documents
 from dream_trainer.parallel.dtensor import full_value
-from dream_trainer.parallel.experts import fully_shard_experts
+from dream_trainer.parallel.experts import ExpertParallel, Experts
 from dream_trainer.parallel.grad_norm import clip_grad_norm
 from dream_trainer.parallel.hf_init import is_hf_model
+from dream_trainer.parallel.build import ModelBuild, initialize, materialize_models
 from dream_trainer.parallel.materialize import (FullTensorInit, has_meta_tensors, materialize,
                                                 parameters_named)
+from dream_trainer.parallel.parts import PARTS, BuildHooks, Part
 from dream_trainer.parallel.pipeline import PipelineStages, stage_ids, tied_names
 from dream_trainer.parallel.pipeline_schedule import LossFn, PipelineRunner
 from dream_trainer.parallel.stage_init import copy_into_stages, materialize_stages
@@ -38,93 +42,19 @@ from dream_trainer.world.dims import MeshAxis
 from dream_trainer.world.world import DistributedWorld
 
 
-class ModelBuilder(Protocol):
-    """What a layout builds the models through: the trainer's setup (``SetupMixin``), whose
-    hooks the user overrides. ``build_models`` calls these in the layout's own order."""
+@dataclass(frozen=True)
+class LayoutDescription:
+    """What a layout is, for reports (``Layout.describe``)."""
 
-    def named_models(self) -> dict[str, nn.Module]: ...
-
-    def apply_pipeline_parallel(self, pp_mesh: DeviceMesh) -> list[nn.Module]: ...
-
-    def apply_replicate(self, mesh: DeviceMesh) -> None: ...
-
-    def init_weights(self) -> None: ...
-
-    def _apply_parallelism(self) -> None:
-        """Float8, tensor and expert parallelism, activation checkpointing, compilation and
-        FSDP2 on the models ``named_models`` holds now, in that order."""
-
-    def _materialize_models(self) -> None:
-        """Give every model storage and its initial (or pretrained) values."""
-
-    def _pretrained_weights(self) -> Any:
-        """The planned ``init_weights_from`` load (a ``PretrainedWeights``), if any."""
-
-    def _has_own_init_weights(self) -> bool: ...
-
-    def _init_weights(self, loaded: list[torch.Tensor] | None = None, pretrained: Any = None,
-                      run_init_weights: bool = True) -> None:
-        """``init_weights()``, the check that every tensor is set, the pretrained load."""
-
-    def _reseed(self) -> None:
-        """Seed every generator from the config's seed, so weights depend on it alone."""
-
-    def _bind_model(self, name: str, module: nn.Module) -> nn.Module:
-        """Make the model attribute ``name`` hold ``module``; return what it held."""
-
-
-class Experts:
-    """Without expert parallelism every rank holds every expert: nothing to split or shard.
-
-    A part of every layout, since expert parallelism composes with the other degrees (it
-    borrows its ranks from ``dp_shard`` x ``cp``); ``ExpertParallel`` is the one that acts.
-    """
-
-    def split(self, apply_expert_parallel: Callable[[DeviceMesh], None]) -> None:
-        """Split the routed experts over the ``ep`` ranks with ``apply_expert_parallel``."""
-
-    def found_anywhere(self, here: bool) -> bool:
-        """Whether the run's models hold ``MoE`` layers anywhere, given whether the model
-        ``apply_expert_parallel`` was just called on does: here, that model's answer."""
-        return here
-
-    def fully_shard(self, models: Iterable[nn.Module], config: dict[str, Any]) -> None:
-        """Shard the experts with FSDP2 before the blocks holding them are sharded."""
-
-
-class ExpertParallel(Experts):
-    """``expert_parallel > 1``: experts split over the ``ep`` axis (within a pipeline stage,
-    apart from tensor-parallel ranks, which route the same tokens alike), then sharded by
-    FSDP2 over the ranks left (``efsdp``, replicated over ``dp_replicate`` for HSDP)."""
-
-    def __init__(self, world: DistributedWorld) -> None:
-        self.world = world
-        self._stages_seen: list[bool] = []
-
-    def split(self, apply_expert_parallel: Callable[[DeviceMesh], None]) -> None:
-        apply_expert_parallel(_mesh(self.world, MeshAxis.EP))
-
-    def found_anywhere(self, here: bool) -> bool:
-        """Under a pipeline ``apply_expert_parallel`` runs once per stage, and a stage without
-        ``MoE`` layers is fine when another has some: the ``i``-th call of every pipeline
-        rank meets the others' ``i``-th in one collective (each rank holds as many stages),
-        and the verdict falls at this rank's last stage, the same on every rank (True
-        before it)."""
-        if self.world.dims.pp == 1:
-            return here
-        pp_mesh = _mesh(self.world, MeshAxis.PP)
-        self._stages_seen.append(agree_any(here, self.world.device, pp_mesh.get_group()))
-        if len(self._stages_seen) < self.world.dims.pp_stages_per_rank:
-            return True
-        seen, self._stages_seen = self._stages_seen, []
-        return any(seen)
-
-    def fully_shard(self, models: Iterable[nn.Module], config: dict[str, Any]) -> None:
-        mesh = self.world.expert_fsdp_mesh
-        if mesh is None:
-            raise RuntimeError("the efsdp mesh axis does not exist: the run is not launched")
-        for model in models:
-            fully_shard_experts(model, mesh, config)
+    pipeline: dict[str, Any]
+    """The pipeline's settings (``pipeline_schedule``, ``pipeline_stages``,
+    ``pipeline_microbatches``); empty without a pipeline."""
+    degrees: dict[str, int]
+    """Every resolved degree by its config field (``ParallelDims.degrees``)."""
+    parts: dict[str, str]
+    """Each active part's description, in the build order."""
+    settings: dict[str, Any]
+    """The settings the active parts and the pipeline run with, by field name."""
 
 
 class Layout:
@@ -134,11 +64,14 @@ class Layout:
     Args:
         world: The run's topology; its meshes are read when needed (they exist after launch).
         data_parallel: How the models are replicated (``backend_for(world.dims)``).
+        parts: The parts the build runs, in order (``PARTS``).
     """
 
-    def __init__(self, world: DistributedWorld, data_parallel: DataParallelBackend) -> None:
+    def __init__(self, world: DistributedWorld, data_parallel: DataParallelBackend,
+                 parts: tuple[Part, ...] = PARTS) -> None:
         self.world = world
         self.data_parallel = data_parallel
+        self.parts = parts
         self.experts: Experts = ExpertParallel(world) if world.dims.ep > 1 else Experts()
         params = world.device_parameters
         self.context: Context = ContextParallel(
@@ -146,11 +79,12 @@ class Layout:
             if world.dims.cp > 1 else Context()
 
     @staticmethod
-    def resolve(world: DistributedWorld, data_parallel: DataParallelBackend) -> Layout:
+    def resolve(world: DistributedWorld, data_parallel: DataParallelBackend,
+                parts: tuple[Part, ...] = PARTS) -> Layout:
         """The layout of ``world.dims``, once per trainer: a ``PipelineLayout`` when
-        ``pp > 1``, else a ``Layout``."""
+        ``pp > 1``, else a ``Layout``, running ``parts`` in their order."""
         kind = PipelineLayout if world.dims.pp > 1 else Layout
-        return kind(world, data_parallel)
+        return kind(world, data_parallel, parts)
 
     # -- models ----------------------------------------------------------------------------
     @property
@@ -158,16 +92,51 @@ class Layout:
         """The pipeline stages this rank holds: the one stage, the whole model."""
         return [0]
 
-    def build_models(self, builder: ModelBuilder) -> None:
-        """Parallelize, materialize and wrap the models ``configure_models`` created on the
-        meta device (``SetupMixin``'s setup steps 1-7)."""
-        builder._apply_parallelism()
-        with self.world.materialization.context():
-            builder._materialize_models()
+    def active_parts(self, hooks: BuildHooks) -> list[Part]:
+        """The parts this run uses (by the trainer's current settings), in order."""
+        return self._active(hooks.config.device_parameters)
+
+    def describe(self, params: DeviceParameters) -> LayoutDescription:
+        """The one description of this layout that reports read (``TrainerSummary``,
+        ``dream-trainer summarize``, ``NanGuard``): degrees, active parts, their settings.
+
+        Args:
+            params: The trainer's current device settings.
+        """
         dims = self.world.dims
-        # DDP needs real tensors: it broadcasts rank 0's weights when it wraps the model.
-        if dims.dp_replicate > 1 and dims.fsdp == 1:
-            builder.apply_replicate(_mesh(self.world, MeshAxis.DP_REPLICATE))
+        active = self._active(params)
+        settings = {key: value for part in active
+                    for key, value in part.settings(params, dims).items()}
+        return LayoutDescription(
+            pipeline=self.pipeline_settings(), degrees=dims.degrees(),
+            parts={part.name: part.describe(params, dims) for part in active},
+            settings={**settings, **self.pipeline_settings()})
+
+    def pipeline_settings(self) -> dict[str, Any]:
+        """The pipeline's schedule, stages and microbatches by field name; none here."""
+        return {}
+
+    def _active(self, params: DeviceParameters) -> list[Part]:
+        return [part for part in self.parts if part.active(params, self.world.dims)]
+
+    def build_models(self, build: ModelBuild) -> None:
+        """Parallelize, materialize and wrap the models ``configure_models`` created on the
+        meta device: every active part on the meta models, storage and initial (or
+        pretrained) values, then every active part on the built models."""
+        self.parallelize(build.hooks)
+        with self.world.materialization.context():
+            materialize_models(build, self.world)
+        self.finish(build.hooks)
+
+    def parallelize(self, hooks: BuildHooks) -> None:
+        """Run each active part's ``on_meta`` in order on the models the hooks hold now."""
+        for part in self.active_parts(hooks):
+            part.on_meta(hooks, self)
+
+    def finish(self, hooks: BuildHooks) -> None:
+        """Run each active part's ``after_materialize`` in order on the built models."""
+        for part in self.active_parts(hooks):
+            part.after_materialize(hooks, self)
 
     def check_batches(self, params: TrainingParameters,
                       val_loaders: Mapping[str, Iterable[Any]]) -> None:
@@ -202,6 +171,16 @@ class Layout:
         with self.context.split((*inputs, target)) as (*inputs, target):
             loss = full_value(loss_fn(model(*inputs), target).detach())
         return self.context.whole_loss(loss, sum_losses)
+
+    def documents(self, document_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                  models: Iterable[nn.Module]) -> contextlib.AbstractContextManager[None]:
+        """Attention within packed documents (``StepAPI.documents``).
+
+        Raises:
+            ValueError: where the layout cannot keep the documents apart yet.
+        """
+        self.context.check_documents()
+        return documents(document_ids, position_ids, models)
 
     def local_pass(self, models: Iterable[nn.Module]) -> contextlib.AbstractContextManager[None]:
         """A context in which the models' forward and backward run on this rank alone, for a
@@ -249,18 +228,24 @@ class PipelineLayout(Layout):
     the model attribute holds this rank's ``PipelineStages``, and the schedule runs each
     micro-batch forward and backward stage by stage."""
 
-    def __init__(self, world: DistributedWorld, data_parallel: DataParallelBackend) -> None:
-        super().__init__(world, data_parallel)
+    def __init__(self, world: DistributedWorld, data_parallel: DataParallelBackend,
+                 parts: tuple[Part, ...] = PARTS) -> None:
+        super().__init__(world, data_parallel, parts)
         self.stages: PipelineStages | None = None
         """This rank's stages, once ``build_models`` made them."""
+
+    def pipeline_settings(self) -> dict[str, Any]:
+        dims = self.world.dims
+        return {"pipeline_schedule": dims.pp_schedule, "pipeline_stages": dims.pp_stages,
+                "pipeline_microbatches": dims.pp_microbatches}
 
     # -- models ----------------------------------------------------------------------------
     @property
     def stage_ids(self) -> list[int]:
         """The pipeline stages this rank holds (``stage_ids``), after launch."""
-        return stage_ids(_mesh(self.world, MeshAxis.PP).get_local_rank(), self.world.dims)
+        return stage_ids(self.world.launched_mesh(MeshAxis.PP).get_local_rank(), self.world.dims)
 
-    def build_models(self, builder: ModelBuilder) -> None:
+    def build_models(self, build: ModelBuild) -> None:
         """Split the model (``apply_pipeline_parallel``), run the other parallelism hooks on
         each of this rank's stages with the model attribute bound to it, materialize the
         stages with the weights one process would have, and make the model attribute their
@@ -274,24 +259,24 @@ class PipelineLayout(Layout):
                 number of stages than this rank holds.
         """
         world, dims = self.world, self.world.dims
-        name = pipelined_model(builder.named_models())
-        model = builder.named_models()[name]
-        pretrained = builder._pretrained_weights()
+        name = pipelined_model(build.models)
+        model = build.models[name]
+        pretrained = build.pretrained_weights()
         reference = copy.deepcopy(model) if has_meta_tensors(model) else None
         ties = tied_names(model)  # of the whole model: the split leaves a copy per stage
         ids = self.stage_ids
-        stages = builder.apply_pipeline_parallel(_mesh(world, MeshAxis.PP))
+        stages = build.hooks.apply_pipeline_parallel(world.launched_mesh(MeshAxis.PP))
         if len(stages) != len(ids):
             raise ValueError(f"apply_pipeline_parallel returned {len(stages)} stages; this rank "
                              f"holds {len(ids)} (stages {ids})")
-        stages = [_parallelized(builder, name, stage) for stage in stages]
-        builder._reseed()
+        stages = [self._parallelized(build, name, stage) for stage in stages]
+        world.seed(build.seed)
         materialization = world.materialization
         skip = pretrained.names(name) if pretrained is not None else set()
         # A stage's copy of a tied weight is loaded under whichever name the files hold.
         skip |= {tied for group in ties if skip & set(group) for tied in group}
         whole = reference is not None and materialization.has_values \
-            and _initializes_whole_model(builder, reference)
+            and _initializes_whole_model(build, reference)
         with materialization.context():
             if reference is None:
                 for stage in stages:
@@ -300,7 +285,7 @@ class PipelineLayout(Layout):
                 for stage in stages:
                     materialize(stage, world.device, values=False)
             elif whole:
-                self._initialize_whole_model(builder, name, reference, stages, skip)
+                self._initialize_whole_model(build, name, reference, stages, skip)
             else:
                 materialize_stages(reference, stages, world.device, skip)
         runner = PipelineRunner(dims.pp_schedule, dims.pp_microbatches, ids, dims.pp_stages,
@@ -308,14 +293,22 @@ class PipelineLayout(Layout):
         self.stages = PipelineStages(stages, ids, dims.pp_stages, runner, ties)
         if ties and materialization.has_values:
             self.stages.connect_ties(self._pp_group())
-        builder._bind_model(name, self.stages)
+        build.models[name] = self.stages
         if pretrained is not None:
-            pretrained.use_models(builder.named_models())
+            pretrained.use_models(dict(build.models))
         loaded = parameters_named(self.stages, skip)
         with materialization.context():
-            builder._init_weights(loaded, pretrained, run_init_weights=not whole)
+            initialize(build, world, loaded, pretrained, run_init_weights=not whole)
+        self.finish(build.hooks)
 
-    def _initialize_whole_model(self, builder: ModelBuilder, name: str, reference: nn.Module,
+    def _parallelized(self, build: ModelBuild, name: str, stage: nn.Module) -> nn.Module:
+        """Run the parts on ``stage`` with the model attribute bound to it; return what they
+        left there (a part may replace the module, as compilation does)."""
+        with build.bound(name, stage) as bound:
+            self.parallelize(build.hooks)
+        return bound.module
+
+    def _initialize_whole_model(self, build: ModelBuild, name: str, reference: nn.Module,
                                 stages: list[nn.Module], skip: set[str]) -> None:
         """Initialize ``reference`` (the whole model) exactly as one process would, with
         ``init_weights()`` seeing it as the model attribute, and give ``stages`` their part.
@@ -325,13 +318,9 @@ class PipelineLayout(Layout):
         """
         device = self.world.device
         materialize(reference, device, skip=skip)
-        pipelined = builder._bind_model(name, reference)
-        try:
-            # As in one process, draws for the pretrained parameters are skipped, not made.
-            with FullTensorInit(skip=parameters_named(reference, skip)):
-                builder.init_weights()
-        finally:
-            builder._bind_model(name, pipelined)
+        # As in one process, draws for the pretrained parameters are skipped, not made.
+        with build.bound(name, reference), FullTensorInit(skip=parameters_named(reference, skip)):
+            build.hooks.init_weights()
         for stage in stages:
             stage.to_empty(device=device)
         copy_into_stages(reference, stages)
@@ -379,6 +368,14 @@ class PipelineLayout(Layout):
             loss = _held(model).run(tuple(inputs), target, loss_fn, None, sum_losses)
         return self.context.whole_loss(loss, sum_losses)
 
+    def documents(self, document_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                  models: Iterable[nn.Module]) -> contextlib.AbstractContextManager[None]:
+        raise ValueError(
+            "packed documents (self.documents) do not run under pipeline_parallel > 1 yet: "
+            "the schedule cuts each batch into microbatches, and their document ids would "
+            "have to reach every stage with them. Train packed documents with FSDP2, HSDP, "
+            "DDP or tensor parallelism, or pack without documents=True")
+
     def local_pass(self, models: Iterable[nn.Module]) -> contextlib.AbstractContextManager[None]:
         raise RuntimeError("a pass cannot run on one rank alone under pipeline_parallel > 1: "
                            "the schedule's passes are collective")
@@ -424,7 +421,7 @@ class PipelineLayout(Layout):
         return True
 
     def _pp_group(self) -> Any:
-        return _mesh(self.world, MeshAxis.PP).get_group()
+        return self.world.launched_mesh(MeshAxis.PP).get_group()
 
     def _built(self) -> PipelineStages:
         if self.stages is None:
@@ -448,21 +445,13 @@ def pipelined_model(models: Mapping[str, nn.Module]) -> str:
     return names[0]
 
 
-def _parallelized(builder: ModelBuilder, name: str, stage: nn.Module) -> nn.Module:
-    """Run the parallelism hooks with the model attribute bound to ``stage``; return what
-    they left there (a hook may replace the module, as compilation does)."""
-    previous = builder._bind_model(name, stage)
-    builder._apply_parallelism()
-    return builder._bind_model(name, previous)
-
-
-def _initializes_whole_model(builder: ModelBuilder, reference: nn.Module) -> bool:
+def _initializes_whole_model(build: ModelBuild, reference: nn.Module) -> bool:
     """Whether a pipeline's weights come from initializing the whole model on every rank
     rather than block by block: needed when ``init_weights()`` is the user's (it may draw
     from the generator anywhere in the model), for a ``transformers`` model (its library
     initialization and computed buffers run over the whole model) and for a model with
     tied parameters (the last initializer of a shared weight sets both places)."""
-    return builder._has_own_init_weights() or any(map(is_hf_model, reference.modules())) \
+    return build.own_init_weights or any(map(is_hf_model, reference.modules())) \
         or bool(tied_names(reference))
 
 
@@ -473,13 +462,6 @@ def _held(model: nn.Module) -> PipelineStages:
             f"the model attribute itself (a PipelineStages after setup), not a "
             f"{type(model).__name__}")
     return model
-
-
-def _mesh(world: DistributedWorld, axis: MeshAxis) -> DeviceMesh:
-    mesh = world.get_mesh(axis)
-    if mesh is None:
-        raise RuntimeError(f"the {axis} mesh axis does not exist: the run is not launched")
-    return mesh
 
 
 @contextlib.contextmanager

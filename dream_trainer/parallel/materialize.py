@@ -116,12 +116,19 @@ def materialize(module: nn.Module, device: torch.device, skip: Collection[str] =
 
 
 def reset_module(module: nn.Module) -> None:
-    """Run ``module``'s own ``reset_parameters()`` (not its children's), if it has one."""
+    """Run ``module``'s own ``reset_parameters()`` (not its children's), if its class has
+    one.
+
+    Looked up on the class: a wrapper (``checkpoint_wrapper``, ``torch.compile``) forwards
+    unknown attributes to the block it wraps, whose reset would then run twice, drawing
+    other initial weights than the same run without activation checkpointing or compilation.
+    """
     # torch's own nn.MultiheadAttention only has the private name.
-    reset = getattr(module, "reset_parameters", None) \
-        or getattr(module, "_reset_parameters", None)
-    if callable(reset):
-        reset()
+    for name in ("reset_parameters", "_reset_parameters"):
+        reset = getattr(type(module), name, None)
+        if callable(reset):
+            reset(module)
+            return
 
 
 def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:

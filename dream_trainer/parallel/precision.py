@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from dream_trainer.configs.device import DeviceParameters
-from dream_trainer.world.dims import ParallelDims
+from dream_trainer.parallel.data_parallel import DataParallelBackend
 
 
 class Precision:
@@ -18,14 +18,14 @@ class Precision:
     unsharded models. float16 needs loss scaling against underflow; bfloat16 does not.
     """
 
-    def __init__(self, params: DeviceParameters, dims: ParallelDims,
+    def __init__(self, params: DeviceParameters, data_parallel: DataParallelBackend,
                  device: torch.device) -> None:
         low = params.param_dtype != torch.float32
         self.device_type = device.type
-        self.autocast_dtype = params.param_dtype if low and dims.fsdp == 1 else None
+        self.autocast_dtype = params.param_dtype if low and not data_parallel.shards else None
         self.scaler: torch.amp.GradScaler | None = None
         if params.param_dtype == torch.float16:
-            if dims.fsdp > 1:
+            if data_parallel.shards:
                 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
                 self.scaler = ShardedGradScaler(device.type)

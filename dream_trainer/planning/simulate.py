@@ -20,16 +20,17 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException,
 from torch.utils._pytree import tree_leaves, tree_map_only
 from typing_extensions import override
 
+from dream_trainer.parallel.data_parallel import DDPBackend
 from dream_trainer.parallel.pipeline import PipelineStages
 from dream_trainer.planning.comms import AxisCommMode, group_axes
 from dream_trainer.planning.memory import StepMemory, optimizer_tensors, storages
 from dream_trainer.nn.moe import balanced_routing
 from dream_trainer.planning.pipeline import BoundariesNeeded, PlannedPipeline
 from dream_trainer.planning.report import RankPlan
-from dream_trainer.planning.session import attach, sandboxed, set_up
+from dream_trainer.planning.session import (attach, sandboxed, set_up,
+                                            without_callbacks_or_compilation)
 from dream_trainer.trainer.base import BaseTrainer
 from dream_trainer.trainer.callback import Callback
-from dream_trainer.trainer.callback_collection import CallbackCollection
 from dream_trainer.world.environment import LaunchEnvironment
 from dream_trainer.world.materialization import Materialization
 
@@ -147,11 +148,9 @@ def _measure(trainer: BaseTrainer,
     device = trainer.config.device_parameters
     # No callbacks (their hooks may read values fake tensors do not have), and no compilation
     # (it would trace the fake step for nothing: the memory is the eager one's).
-    trainer.replace_config(trainer.config.model_copy(update={
-        "callbacks": CallbackCollection(),
-        "device_parameters": device.model_copy(update={"compile_model": False})}))
+    without_callbacks_or_compilation(trainer)
     dims = trainer.world.dims
-    if dims.dp_replicate > 1 and dims.fsdp == 1:
+    if trainer.data_parallel.name == DDPBackend.name:
         raise NotImplementedError(
             f"plan cannot simulate DDP (dp_replicate={dims.dp_replicate} without dp_shard): "
             "DDP's C++ reducer needs real gradient buffers, which on one CPU would hold the "

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
+from dream_trainer.configs.device import DEGREES
 from dream_trainer.configs.training import TrainingParameters
 from dream_trainer.data.batch import move_to_device
 from dream_trainer.data.loaders import has_resumable_sampler, numbered_batches
 from dream_trainer.data.stream import TrainBatches
 from dream_trainer.parallel.data_parallel import DataParallelBackend, backend_for
 from dream_trainer.parallel.layout import Layout
+from dream_trainer.parallel.parts import PARTS, Part
 from dream_trainer.parallel.precision import Precision
 from dream_trainer.trainer.abstract import StopTraining
 from dream_trainer.trainer.callback_collection import CallbackCollection
@@ -22,7 +24,8 @@ from dream_trainer.trainer.epoch_plan import plan_train_steps
 from dream_trainer.trainer.history import History, RecordsHistory
 from dream_trainer.trainer.item_weighting import ItemWeighting
 from dream_trainer.trainer.loop_state import LoopState
-from dream_trainer.trainer.phases import call_through, check_config_mixins, runs_on
+from dream_trainer.trainer.lifetime import torn_down
+from dream_trainer.trainer.phases import check_config_mixins, runs_on
 from dream_trainer.trainer.schedulers import planned_optimizer_steps
 from dream_trainer.trainer.step_api import StepAPI
 from dream_trainer.trainer.validation import ValidationLoop, check_result, stop_is_an_error
@@ -51,6 +54,9 @@ class BaseTrainer(HookDispatch, StepAPI, ValidationLoop, LoopState, RecordsHisto
     """
 
     config: BaseTrainerConfig
+    parallel_parts: ClassVar[tuple[Part, ...]] = PARTS
+    """The layout's parts in their build order (``dream_trainer.parallel.parts``); a trainer
+    adds a dimension of its own as ``parallel_parts = with_part(MyPart(), after="tensor")``."""
 
     def __init__(self, config: BaseTrainerConfig, *args: Any, **kwargs: Any) -> None:
         check_config_mixins(self, config)
@@ -60,8 +66,9 @@ class BaseTrainer(HookDispatch, StepAPI, ValidationLoop, LoopState, RecordsHisto
         self._accumulation = config.training_parameters.gradient_accumulation_steps
         self.world = DistributedWorld(config.device_parameters)
         self.data_parallel: DataParallelBackend = backend_for(self.world.dims)
-        self.layout = Layout.resolve(self.world, self.data_parallel)
-        self.precision = Precision(config.device_parameters, self.world.dims, self.world.device)
+        self.layout = Layout.resolve(self.world, self.data_parallel, self.parallel_parts)
+        self.precision = Precision(config.device_parameters, self.data_parallel,
+                                   self.world.device)
         self._declare_step_stages()
         self.item_weighting = ItemWeighting(self.world.device)
         self.callbacks = CallbackCollection(config.callbacks)
@@ -107,19 +114,13 @@ class BaseTrainer(HookDispatch, StepAPI, ValidationLoop, LoopState, RecordsHisto
             Exception: whatever a phase raised, after ``on_exception`` hooks ran and the
                 failure was logged with this process's rank.
         """
-        completed = False
-        try:
-            self.set_up()
-            self._train()
-            completed = True
-        except BaseException as exc:
-            self._report_failure(exc)
-            raise
-        finally:
+        with torn_down(self):
             try:
-                call_through(self, "teardown")
-            finally:
-                self.world.shutdown(graceful=completed)
+                self.set_up()
+                self._train()
+            except BaseException as exc:
+                self._report_failure(exc)
+                raise
         return self._finish_history()
 
     def set_up(self, materialization: Materialization | None = None) -> None:
@@ -165,11 +166,10 @@ class BaseTrainer(HookDispatch, StepAPI, ValidationLoop, LoopState, RecordsHisto
         if self._configured:
             raise RuntimeError("replace_config() after the models were configured: call it "
                                "before fit()/set_up(), or from pre_launch/pre_configure")
-        degrees = ("dp_replicate", "dp_shard", "tensor_parallel", "context_parallel",
-                   "pipeline_parallel", "expert_parallel", "pipeline_schedule",
-                   "pipeline_microbatches", "pipeline_stages_per_rank")
+        fixed = (*DEGREES, "pipeline_schedule", "pipeline_microbatches",
+                 "pipeline_stages_per_rank")
         old, new = self.config.device_parameters, config.device_parameters
-        changed = [name for name in degrees if getattr(old, name) != getattr(new, name)]
+        changed = [name for name in fixed if getattr(old, name) != getattr(new, name)]
         if changed:
             raise ValueError(f"replace_config() cannot change the mesh ({', '.join(changed)}): "
                              "the world and its layout were resolved from the first config's "

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
-from dream_trainer.configs.device import (DeviceParameters, PipelineSchedule, degree_problem,
-                                          pipeline_layout)
+from dream_trainer.configs.device import (DEGREES, MESH_DEGREES, DeviceParameters,
+                                          PipelineSchedule, degree_problem, pipeline_layout)
 from dream_trainer.errors import MeshMismatchError
 
 
@@ -46,15 +46,8 @@ class MeshAxis(str, Enum):
         return self.value
 
 
-# Config field for each physical axis, in mesh order (tensor parallel innermost, so that its
-# frequent collectives stay on the fastest links).
-_AXIS_FIELDS = (
-    (MeshAxis.PP, "pipeline_parallel"),
-    (MeshAxis.DP_REPLICATE, "dp_replicate"),
-    (MeshAxis.DP_SHARD, "dp_shard"),
-    (MeshAxis.CP, "context_parallel"),
-    (MeshAxis.TP, "tensor_parallel"),
-)
+# Each physical axis with its config field, in mesh order.
+_AXIS_FIELDS = tuple((MeshAxis(short), field) for field, short in MESH_DEGREES.items())
 
 
 @dataclass(frozen=True)
@@ -120,6 +113,11 @@ class ParallelDims:
             return cls(*resolved, ep=params.expert_parallel)
         return cls(*resolved, *pipeline_layout(params, pp), ep=params.expert_parallel,
                    pp_schedule=params.pipeline_schedule)
+
+    def degrees(self) -> dict[str, int]:
+        """Every resolved degree by its config field (``DEGREES``' order): what reports and
+        checks read instead of naming the degrees again."""
+        return {field: getattr(self, short) for field, short in DEGREES.items()}
 
     @property
     def pp_stages(self) -> int:

@@ -114,6 +114,17 @@ class DistributedWorld:
             return None
         return self.mesh[axis.value]
 
+    def launched_mesh(self, axis: MeshAxis) -> DeviceMesh:
+        """``get_mesh(axis)`` for an axis the run has.
+
+        Raises:
+            RuntimeError: when the axis does not exist (yet): before launch, or size 1.
+        """
+        mesh = self.get_mesh(axis)
+        if mesh is None:
+            raise RuntimeError(f"the {axis} mesh axis does not exist: the run is not launched")
+        return mesh
+
     def get_group(self, axis: MeshAxis) -> dist.ProcessGroup | None:
         """The process group of ``get_mesh(axis)``, or None when that axis has size 1."""
         return _group_of(self.get_mesh(axis))
