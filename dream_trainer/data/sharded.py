@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from dream_trainer.data.documents import LongDocuments, Piece, assemble, checked_labels
 from dream_trainer.data.length_index import default_tokens, length_index
 
 Interval = tuple[int, int]
@@ -155,6 +156,11 @@ class ShardedStream(IterableDataset[Any]):
     default ``item["input_ids"]`` or the item itself), concatenated in the pass's order, are
     cut into ``LongTensor``s of ``sequence_length`` tokens. The items' lengths are found once
     (``lengths``, ``index_cache``) so that any sample can be read without the ones before it.
+    With ``documents=True`` each item stays a document of its own: a sample is a dict of
+    ``input_ids``, ``position_ids`` (restarting at 0 in each document), ``document_ids``
+    (0, 1, ... for the documents of the sample) and ``targets`` (the next token's label within
+    the document, -100 at its end), see ``dream_trainer.data.documents``; the global order,
+    the positions and resume are those of plain packing.
 
     Args:
         source: Any object with ``len()`` and integer indexing.
@@ -166,10 +172,19 @@ class ShardedStream(IterableDataset[Any]):
         lengths: When packing, every item's token count, or the name of the source's column
             holding them; None finds them (see ``length_index``).
         index_cache: A file for the lengths found: read when it matches the source.
+        documents: Pack items as documents that never see each other (see above).
+        labels: With ``documents``, an item's labels, one per token (unshifted; -100 where
+            not trained, as for the system and user turns of a conversation); by default
+            its tokens.
+        long_documents: With ``documents``, a document longer than ``sequence_length`` is
+            ``"split"`` over samples (its positions continue; each piece attends to itself
+            alone) or ``"truncate"``d to ``sequence_length`` tokens (the rest is never read,
+            and its last kept token has no target).
 
     Raises:
         ValueError: for an empty source, a sequence length below 1, a source without
-            tokens, or ``lengths``/``index_cache`` without packing.
+            tokens, ``lengths``/``index_cache`` without packing, or ``documents`` options
+            without ``documents``.
     """
 
     def __init__(self, source: Any, *, shuffle: bool = True, seed: int = 0,
@@ -177,7 +192,10 @@ class ShardedStream(IterableDataset[Any]):
                  tokens: Callable[[Any], Sequence[int]] | None = None,
                  transform: Callable[[Any], Any] | None = None,
                  lengths: Sequence[int] | str | None = None,
-                 index_cache: str | os.PathLike[str] | None = None) -> None:
+                 index_cache: str | os.PathLike[str] | None = None,
+                 documents: bool = False,
+                 labels: Callable[[Any], Sequence[int]] | None = None,
+                 long_documents: LongDocuments = "split") -> None:
         if len(source) == 0:
             raise ValueError("ShardedStream needs a non-empty source")
         if sequence_length is not None and sequence_length < 1:
@@ -185,14 +203,28 @@ class ShardedStream(IterableDataset[Any]):
         if sequence_length is None and (lengths is not None or index_cache is not None):
             raise ValueError("lengths and index_cache are the token counts packing needs: "
                              "give sequence_length too, or leave them out")
+        if documents and sequence_length is None:
+            raise ValueError("documents=True packs items as documents into sequences: give "
+                             "sequence_length too")
+        if not documents and (labels is not None or long_documents != "split"):
+            raise ValueError("labels and long_documents describe packed documents: give "
+                             "documents=True too, or leave them out")
+        if long_documents not in ("split", "truncate"):
+            raise ValueError(f"long_documents={long_documents!r}: give 'split' or 'truncate'")
         self.source = source
         self.shuffle = shuffle
         self.seed = seed
         self.sequence_length = sequence_length
         self.tokens = tokens or default_tokens
         self.transform = transform
-        self.lengths = None if sequence_length is None \
+        self.documents = documents
+        self.labels = labels
+        self.long_documents = long_documents
+        self.item_lengths = None if sequence_length is None \
             else length_index(source, tokens, lengths, index_cache)
+        # Truncated documents take at most a sequence each in the token order.
+        self.lengths = self.item_lengths if self.item_lengths is None \
+            or long_documents == "split" else self.item_lengths.clamp(max=sequence_length)
         self.total_tokens = 0 if self.lengths is None else int(self.lengths.sum())
         if self.lengths is not None and self.total_tokens == 0:
             raise ValueError("the source has no tokens to pack: every item's token count "
@@ -286,7 +318,8 @@ class _Samples:
         self.total = stream.total_tokens
         self.pass_index: int | None = None
         self.order = self.ends = torch.empty(0, dtype=torch.int64)
-        self.document: tuple[int, list[int]] | None = None  # item index, its tokens
+        # The item read last: its index, tokens and labels.
+        self.document: tuple[int, list[int], list[int]] | None = None
 
     def __getitem__(self, position: int) -> Any:
         if self.stream.sequence_length is None:
@@ -313,31 +346,46 @@ class _Samples:
             self.ends = torch.cumsum(self.stream.lengths[self.order], 0)
         self.pass_index = step
 
-    def _packed(self, token: int) -> torch.Tensor:
+    def _packed(self, token: int) -> Any:
         length = self.stream.sequence_length
         assert length is not None
-        out: list[int] = []
-        while len(out) < length:
-            step, offset = divmod(token + len(out), self.total)
+        pieces: list[Piece] = []
+        filled = 0
+        while filled < length:
+            step, offset = divmod(token + filled, self.total)
             self._load_pass(step)
             # The item holding the pass's `offset`-th token: the first whose end is past it.
             index = int(torch.searchsorted(self.ends, offset, right=True))
             begin = int(self.ends[index - 1]) if index else 0
-            ids = self._tokens(int(self.order[index]))
-            out.extend(ids[offset - begin:offset - begin + length - len(out)])
-        return torch.tensor(out, dtype=torch.long)
+            ids, labels = self._document(int(self.order[index]))
+            start = offset - begin
+            stop = min(len(ids), start + length - filled)
+            pieces.append(Piece(ids, labels, start, stop))
+            filled += stop - start
+        if self.stream.documents:
+            return assemble(pieces)
+        return torch.tensor([token for piece in pieces
+                             for token in piece.tokens[piece.start:piece.stop]],
+                            dtype=torch.long)
 
-    def _tokens(self, item: int) -> list[int]:
+    def _document(self, item: int) -> tuple[list[int], list[int]]:
+        """Item ``item``'s tokens and labels, truncated as the stream packs them."""
         if self.document is None or self.document[0] != item:
-            ids = list(self.stream.tokens(self.stream.source[item]))
-            assert self.stream.lengths is not None
-            if len(ids) != int(self.stream.lengths[item]):
+            stream = self.stream
+            value = stream.source[item]
+            ids = list(stream.tokens(value))
+            assert stream.item_lengths is not None and stream.sequence_length is not None
+            if len(ids) != int(stream.item_lengths[item]):
                 raise ValueError(
                     f"item {item} has {len(ids)} tokens but the length index says "
-                    f"{int(self.stream.lengths[item])}: the index does not describe this "
+                    f"{int(stream.item_lengths[item])}: the index does not describe this "
                     "source (delete the index_cache file, or fix the lengths given)")
-            self.document = (item, ids)
-        return self.document[1]
+            labels = ids if stream.labels is None \
+                else checked_labels(item, ids, stream.labels(value))
+            if stream.long_documents == "truncate":
+                ids, labels = ids[:stream.sequence_length], labels[:stream.sequence_length]
+            self.document = (item, ids, labels)
+        return self.document[1], self.document[2]
 
 
 def stream_of(loader: Any) -> ShardedStream | None:

@@ -169,6 +169,31 @@ class StepAPI(AbstractTrainer):
         """
         return self.layout.context.split(tensors, seq_dim)
 
+    def documents(self, document_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+                  ) -> contextlib.AbstractContextManager[None]:
+        """A context in which attention stays inside each packed document: every
+        ``F.scaled_dot_product_attention`` call over the sequence is block-causal by
+        ``document_ids`` (``[batch, seq]``, what ``ShardedStream(documents=True)`` yields),
+        and a transformers model called without positions gets ``position_ids``, so its
+        rotary positions restart with each document::
+
+            with self.documents(batch["document_ids"], batch["position_ids"]):
+                logits = self.model(batch["input_ids"])
+                loss = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(),
+                                       reduction="sum")
+                self.backward(loss, num_items=int((batch["targets"] != -100).sum()))
+
+        Run backward inside it (activation checkpointing recomputes attention there). See
+        ``dream_trainer.parallel.documents``.
+
+        Raises:
+            ValueError: for shapes that are not ``[batch, seq]`` alike, attention over
+                another sequence length or batch inside it, a transformers model given an
+                ``attention_mask`` there, or a layout that cannot keep documents apart yet
+                (``pipeline_parallel > 1``, ``context_parallel > 1``).
+        """
+        return self.layout.documents(document_ids, position_ids, self.named_models().values())
+
     def _loss_context(self) -> contextlib.AbstractContextManager[Any]:
         if not self.config.device_parameters.loss_parallel:
             return contextlib.nullcontext()

@@ -1,8 +1,8 @@
 """ShardedStream under the trainer, on a ``datasets`` source built from local parquet files.
 
 - On 2 ranks x 2 loader workers, a run SIGKILLed after a checkpoint and rerun ends with the
-  uninterrupted run's weights, bit for bit: packed in order, packed with the default shuffle,
-  and unpacked.
+  uninterrupted run's weights, bit for bit: packed in order as documents (supervised
+  fine-tuning's packing), packed with the default shuffle, and unpacked.
 - The packed stream on 1, 2 and 4 ranks with one global batch (12 samples) trains on the same
   global batches, in the same order, and SGD ends with one process's weights (to 1e-6: the
   mean over ranks rounds differently from one mean).
@@ -25,7 +25,9 @@ from tests.helpers.tolerance import assert_close_to_scale
 
 SCRIPT = REPO / "tests/scripts/sharded_stream_run.py"
 CHECKPOINT_EVERY = 3  # the script's
-EXACT_RUNS = ("inorder:2:p", "shuffled:2:sp", "items:2:s")  # 2 ranks x 2 workers, AdamW
+# 2 ranks x 2 workers, AdamW; the in-order run packs documents (ShardedStream(documents=True)
+# and the documents' attention context in the step, the loss on each document's second half).
+EXACT_RUNS = ("inorder:2:pd", "shuffled:2:sp", "items:2:s")
 STEPS, EXACT_KILL, GLOBAL_BATCH = 12, 5, 12
 # The resumed chain: (ranks, workers, step it is killed after; None: it finishes).
 CHAIN = [(4, 2, 5), (2, 1, 8), (3, 2, None)]

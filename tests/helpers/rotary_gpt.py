@@ -37,9 +37,11 @@ class Rotary(nn.Module):
         positions = torch.arange(self.max_len).float()
         self.angles = torch.outer(positions, inverse).to(self.angles.device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of ``[batch, heads, seq, head_dim]`` by its positions' angles."""
-        angles = self.angles[: x.size(-2)]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x`` of ``[batch, heads, seq, head_dim]`` by its positions' angles: those
+        of ``positions`` (``[batch, seq]``, packed documents'), else ``0, 1, ...``."""
+        angles = self.angles[: x.size(-2)] if positions is None \
+            else self.angles[positions].unsqueeze(1)
         cos, sin = angles.cos(), angles.sin()
         even, odd = x[..., 0::2], x[..., 1::2]
         return torch.stack((even * cos - odd * sin, even * sin + odd * cos), -1).flatten(-2)
@@ -55,13 +57,14 @@ class Block(nn.Module):
         self.w1 = nn.Linear(dim, 4 * dim)
         self.w2 = nn.Linear(4 * dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.norm1(x)
         batch, seq, _ = h.shape
         # Heads from the projection's width: a column-parallel projection holds some of them.
         q, k, v = (proj(h).view(batch, seq, -1, HEAD_DIM).transpose(1, 2)
                    for proj in (self.q, self.k, self.v))
-        attn = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True)
+        attn = F.scaled_dot_product_attention(self.rope(q, positions), self.rope(k, positions), v,
+                                              is_causal=True)
         x = x + self.o(attn.transpose(1, 2).reshape(batch, seq, -1))
         return x + self.feed_forward(self.norm2(x))
 
@@ -79,12 +82,12 @@ class RotaryGPT(nn.Module):
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.embed is not None:
             x = self.embed(x)
         for layer in self.layers:
             if layer is not None:
-                x = layer(x)
+                x = layer(x, positions)
         if self.norm is not None:
             x = self.head(self.norm(x))
         return x

@@ -27,6 +27,7 @@ from dream_trainer import BaseTrainer, BaseTrainerConfig
 from dream_trainer.callbacks import Callback
 from dream_trainer.configs import CheckpointParameters, DeviceParameters, TrainingParameters
 from dream_trainer.data import ShardedStream
+from dream_trainer.data.documents import IGNORE
 from dream_trainer.mixins import (CheckpointConfigMixin, CheckpointMixin, SetupConfigMixin,
                                   SetupMixin)
 from tests.helpers.checkpointing import Killer
@@ -69,15 +70,23 @@ class StreamTrainer(BaseTrainer, SetupMixin, CheckpointMixin):
         datasets.disable_progress_bars()
         source = datasets.load_from_disk(self.config.data)
         packed = "p" in self.config.flags
+        # "d": packed as documents, trained on each document's second half (as SFT trains
+        # the answers), with the documents' attention context around the step.
+        documents = {"documents": True, "labels": second_half} if "d" in self.config.flags \
+            else {}
         stream = ShardedStream(source, seed=5, shuffle="s" in self.config.flags,
                                sequence_length=SEQUENCE if packed else None,
-                               transform=None if packed else fixed_length)
+                               transform=None if packed else fixed_length, **documents)
         return StatefulDataLoader(stream, batch_size=self.config.batch,
                                   num_workers=self.config.workers), None
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         with open(Path(self.config.log_dir) / f"rank{self.world.rank}.jsonl", "a") as log:
-            log.write(json.dumps({"step": self.global_step, "samples": batch.tolist()}) + "\n")
+            samples = [batch[key].tolist() for key in DOCUMENT_KEYS] \
+                if isinstance(batch, dict) else batch.tolist()
+            log.write(json.dumps({"step": self.global_step, "samples": samples}) + "\n")
+        if isinstance(batch, dict):
+            return self.documents_step(batch)
         tokens = batch % VOCAB
         logits = self.model(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
@@ -85,8 +94,26 @@ class StreamTrainer(BaseTrainer, SetupMixin, CheckpointMixin):
         self.step(self.model, self.optimizer)
         return {"loss": loss}
 
+    def documents_step(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        targets = batch["targets"].where(batch["targets"] == IGNORE, batch["targets"] % VOCAB)
+        with self.documents(batch["document_ids"], batch["position_ids"]):
+            logits = self.model(batch["input_ids"] % VOCAB)
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1),
+                                   ignore_index=IGNORE, reduction="sum")
+            self.backward(loss, num_items=int((targets != IGNORE).sum()))
+        self.step(self.model, self.optimizer)
+        return {"loss": loss}
+
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         return {}
+
+
+def second_half(item: dict[str, Any]) -> list[int]:
+    ids = list(item["input_ids"])
+    return [IGNORE] * (len(ids) // 2) + ids[len(ids) // 2:]
+
+
+DOCUMENT_KEYS = ("input_ids", "position_ids", "document_ids", "targets")
 
 
 class Crash(Exception):

@@ -1,0 +1,95 @@
+"""Script: packed supervised fine-tuning of a tiny transformers Llama on documents of random
+lengths (``ShardedStream(documents=True)``, the loss on the second half of each document),
+one run per layout in one launch; rank 0 saves each run's final weights and losses.
+
+    torchrun --nproc_per_node=N documents_run.py OUT LAYOUT [LAYOUT ...]
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from dream_trainer.configs import DeviceParameters, TrainingParameters
+from dream_trainer.data import ShardedStream
+from dream_trainer.data.documents import IGNORE
+from dream_trainer.parallel.dtensor import full_value
+from dream_trainer.parallel.names import clean_name
+from tests.helpers.hf import VOCAB, HFTrainer, hf_config
+from tests.helpers.launch import save_on_rank_zero
+
+LAYOUTS = {"single": DeviceParameters.SINGLE_DEVICE(), "ddp": DeviceParameters.DDP(),
+           "fsdp": DeviceParameters.FSDP(), "tp": DeviceParameters(tensor_parallel=2,
+                                                                     dp_shard=1),
+           "pp": DeviceParameters(pipeline_parallel=2, dp_shard=1),
+           "cp": DeviceParameters(context_parallel=2, dp_shard=1)}
+GLOBAL_BATCH, SEQUENCE, STEPS = 4, 16, 3
+
+
+def documents() -> list[dict[str, list[int]]]:
+    generator = torch.Generator().manual_seed(7)
+    lengths = torch.randint(2, 12, (40,), generator=generator).tolist()
+    return [{"input_ids": torch.randint(0, VOCAB, (n,), generator=generator).tolist()}
+            for n in lengths]
+
+
+def second_half(item: dict[str, list[int]]) -> list[int]:
+    """Train only each document's second half, as SFT trains the answers."""
+    ids = item["input_ids"]
+    return [IGNORE] * (len(ids) // 2) + ids[len(ids) // 2:]
+
+
+class PackedTrainer(HFTrainer):
+    def configure_dataloaders(self) -> tuple[Any, None]:
+        stream = ShardedStream(documents(), seed=3, sequence_length=SEQUENCE, documents=True,
+                               labels=second_half)
+        return DataLoader(stream, batch_size=self.config.training_parameters.train_batch_size), \
+            None
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        targets = batch["targets"]
+        with self.documents(batch["document_ids"], batch["position_ids"]):
+            logits = self.model(batch["input_ids"]).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                   ignore_index=IGNORE, reduction="sum")
+            self.backward(loss, num_items=int((targets != IGNORE).sum()))
+        self.step(self.model, self.optimizer)
+        return {"loss": loss}
+
+    def post_setup(self) -> None:
+        super().post_setup()
+        self.initial = self.full_weights()
+
+    def post_fit(self) -> None:
+        super().post_fit()
+        self.final = self.full_weights()
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        model = getattr(self.model, "module", self.model)  # DDP's wrapped model
+        return {clean_name(name): full_value(param).detach().clone()
+                for name, param in model.named_parameters()}
+
+
+def run(layout: str) -> dict[str, Any]:
+    params = LAYOUTS[layout]
+    ranks = 2 if layout in ("ddp", "fsdp") else 1
+    config = hf_config(device_parameters=params, training_parameters=TrainingParameters(
+        n_epochs=None, max_steps=STEPS, train_batch_size=GLOBAL_BATCH // ranks))
+    trainer = PackedTrainer(config)
+    try:
+        trainer.fit()
+    except ValueError as error:  # the layouts that refuse packed documents
+        return {"refused": str(error)}
+    return {"weights": trainer.final, "initial": trainer.initial, "steps": trainer.global_step}
+
+
+def main(out: str, layouts: list[str]) -> None:
+    save_on_rank_zero({layout: run(layout) for layout in layouts}, out, "documents")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
