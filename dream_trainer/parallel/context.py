@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from torch import nn
 from dream_trainer.parallel.context_attention import GatheredAttention, attention_through
 from dream_trainer.parallel.context_hf import HFDecoders, check_attention
 from dream_trainer.parallel.context_split import SequenceSplit, split_problem
+from dream_trainer.parallel.documents import documents
 from dream_trainer.world.dims import MeshAxis
 from dream_trainer.world.world import DistributedWorld
 
@@ -56,9 +57,11 @@ class Context:
         """A context yielding ``tensors`` as this rank runs them: here as they are."""
         return contextlib.nullcontext(tensors)
 
-    def check_documents(self) -> None:
-        """Refuse packed documents where this context cannot keep them apart (nothing to
-        refuse here)."""
+    def documents(self, document_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                  models: Iterable[nn.Module]) -> contextlib.AbstractContextManager[None]:
+        """Attention within packed documents (``parallel.documents``): here every SDPA call
+        masked by the documents of the whole sequences."""
+        return documents(document_ids, position_ids, models)
 
     def whole_loss(self, loss: torch.Tensor, summed: bool) -> torch.Tensor:
         """The loss of the whole sequences from this rank's part of it: here the loss."""
@@ -84,6 +87,8 @@ class ContextParallel(Context):
         self._splits: dict[tuple[int, torch.device], SequenceSplit] = {}
         self._active: SequenceSplit | None = None
         self._decoders: HFDecoders | None = None
+        self._documents: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        """The whole sequences' document and position ids inside ``documents``."""
 
     def bind(self, buffers: Mapping[str, int], models: Mapping[str, nn.Module]) -> None:
         """Find each buffer named ``"<model attribute>.<module path>.<buffer>"`` (a rotary
@@ -108,7 +113,8 @@ class ContextParallel(Context):
             self.buffers += [(module, name, dim) for module, name in found]
         if self._decoders is not None:
             self._decoders.remove()
-        self._decoders = HFDecoders(models, self.ranks, lambda: self._active, self._group)
+        self._decoders = HFDecoders(models, self.ranks, lambda: self._active, self._group,
+                                    self._document_positions)
 
     @contextlib.contextmanager
     def split(self, tensors: Tensors, seq_dim: int | None = None) -> Iterator[Tensors]:
@@ -139,7 +145,8 @@ class ContextParallel(Context):
                       else t for t in tensors)
         self._active = split
         try:
-            attention = GatheredAttention(split, group, self.ranks, self._rank())
+            attention = GatheredAttention(split, group, self.ranks, self._rank(),
+                                          self._document_ids)
             decoders = self._decoders.attention(attention) if self._decoders is not None \
                 else contextlib.nullcontext()
             with _local_buffers(self.buffers, split), attention_through(attention), decoders:
@@ -147,12 +154,29 @@ class ContextParallel(Context):
         finally:
             self._active = None
 
-    def check_documents(self) -> None:
-        raise ValueError(
-            "packed documents (self.documents) do not run under context_parallel > 1 yet: "
-            "the gathered attention masks keys by position only, and would let a "
-            "document's queries see the documents before it. Train packed documents with "
-            "FSDP2, HSDP, DDP or tensor parallelism, or pack without documents=True")
+    @contextlib.contextmanager
+    def documents(self, document_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                  models: Iterable[nn.Module]) -> Iterator[None]:
+        """Packed documents under the split: the gathered attention masks keys by document
+        as well as position, and transformers' rotary positions are the documents' (from
+        ``position_ids`` at the positions this rank holds). ``document_ids`` and
+        ``position_ids`` are the whole sequences' (``[batch, seq]``, not split); a model of
+        your own takes its part of ``position_ids`` through the split like any input.
+
+        Raises:
+            ValueError: if the shapes differ.
+        """
+        if document_ids.dim() != 2 or (position_ids is not None
+                                       and position_ids.shape != document_ids.shape):
+            raise ValueError(
+                f"document_ids of shape {tuple(document_ids.shape)} and position_ids of shape "
+                f"{None if position_ids is None else tuple(position_ids.shape)}: give both "
+                "per token of the whole sequences, [batch, seq]")
+        previous, self._documents = self._documents, (document_ids, position_ids)
+        try:
+            yield
+        finally:
+            self._documents = previous
 
     def whole_loss(self, loss: torch.Tensor, summed: bool) -> torch.Tensor:
         """The sum of the ranks' losses (``summed``: sums over items), else their mean
@@ -160,6 +184,12 @@ class ContextParallel(Context):
         total = loss.detach().clone()
         dist.all_reduce(total, group=self._group())
         return total if summed else total / self.ranks
+
+    def _document_ids(self) -> torch.Tensor | None:
+        return None if self._documents is None else self._documents[0]
+
+    def _document_positions(self) -> torch.Tensor | None:
+        return None if self._documents is None else self._documents[1]
 
     def _split(self, length: int) -> SequenceSplit:
         key = (length, self.world.device)

@@ -5,7 +5,7 @@ global position (``parallel.context`` explains the split and why an all-gather).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -142,8 +142,11 @@ class GatheredAttention:
     (``SequenceSplit``)."""
 
     def __init__(self, split: SequenceSplit, group: dist.ProcessGroup, ranks: int,
-                 rank: int) -> None:
+                 rank: int, documents: Callable[[], torch.Tensor | None] = lambda: None
+                 ) -> None:
         self.split, self.group, self.ranks, self.rank = split, group, ranks, rank
+        self.documents = documents
+        """The whole sequences' document ids while packed documents run, else None."""
         self._inside = False
         """True while torch's causal bias, called from here, calls SDPA back by its name."""
         self.window: int | None = None
@@ -182,11 +185,16 @@ class GatheredAttention:
         dim = query.dim() - 2
         key = _GatherSequence.apply(key, dim, self.group, self.ranks, self.rank)
         value = _GatherSequence.apply(value, dim, self.group, self.ranks, self.rank)
-        if not is_causal:
+        if not is_causal and self.documents() is None:
             return _SDPA(query, key, value, dropout_p=dropout_p, scale=scale,
                          enable_gqa=enable_gqa)
         order = self.split.natural_order
         key, value = key.index_select(dim, order), value.index_select(dim, order)
+        document_ids = self.documents()
+        if document_ids is not None:
+            return _SDPA(query, key, value,
+                         attn_mask=self._document_mask(document_ids, is_causal),
+                         dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
         if self.window is not None and self.window < self.split.length:
             return window_chunks(query, key, value, self.split, self.window, dropout_p, scale,
                                  enable_gqa)
@@ -203,6 +211,27 @@ class GatheredAttention:
                                       dropout_p, scale, enable_gqa)
         finally:
             self._inside = False
+
+    def _document_mask(self, document_ids: torch.Tensor, causal: bool) -> torch.Tensor:
+        """``[batch, 1, local, length]``: this rank's queries see the keys of their own
+        document (up to their position when causal, inside the window when one is set), in
+        position order. A mask, so the kernel computes every score: the documents' price."""
+        split = self.split
+        if document_ids.dim() != 2 or document_ids.size(1) != split.length:
+            raise ValueError(
+                f"under context_parallel={self.ranks} the documents' ids must be the whole "
+                f"sequences' ([batch, {split.length}]), but they have shape "
+                f"{tuple(document_ids.shape)}: give self.documents the batch's document_ids "
+                "before the split, not this rank's part")
+        ids = document_ids.to(split.local.device)
+        queries = split.local.unsqueeze(1)
+        keys = torch.arange(split.length, device=queries.device).unsqueeze(0)
+        mask = ids[:, None, split.local, None] == ids[:, None, None, :]
+        if causal:
+            mask = mask & (keys <= queries)
+        if self.window is not None:
+            mask = mask & (keys > queries - self.window)
+        return mask
 
 
 @contextlib.contextmanager

@@ -89,8 +89,11 @@ class HFDecoders:
 
     def __init__(self, models: Mapping[str, nn.Module], ranks: int,
                  active: Callable[[], SequenceSplit | None],
-                 group: Callable[[], dist.ProcessGroup]) -> None:
+                 group: Callable[[], dist.ProcessGroup],
+                 document_positions: Callable[[], torch.Tensor | None] = lambda: None
+                 ) -> None:
         self.ranks, self.active, self.group = ranks, active, group
+        self.document_positions = document_positions
         modules = [module for model in models.values() for module in model.modules()]
         self.handles = [module.register_forward_pre_hook(self._global_positions,
                                                          with_kwargs=True)
@@ -135,13 +138,20 @@ class HFDecoders:
 
     def _global_positions(self, module: nn.Module, args: Tensors,
                           kwargs: dict[str, Any]) -> tuple[Tensors, dict[str, Any]] | None:
-        """The rotary embedding's ``position_ids`` (local indices) as the positions held."""
+        """The rotary embedding's ``position_ids`` (local indices) as the positions held, or,
+        with packed documents, as those positions' places in their documents."""
         split = self.active()
         if split is None:
             return None
+        local = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
+        held = split.local[local]
+        documents = self.document_positions()
+        if documents is not None:
+            documents = documents.to(held.device)
+            held = documents.gather(1, held.expand(documents.size(0), -1))
         if "position_ids" in kwargs:
-            return args, {**kwargs, "position_ids": split.local[kwargs["position_ids"]]}
-        return (args[0], split.local[args[1]], *args[2:]), kwargs
+            return args, {**kwargs, "position_ids": held}
+        return (args[0], held, *args[2:]), kwargs
 
     def _no_padding(self, module: nn.Module, args: Tensors, kwargs: dict[str, Any]) -> None:
         """Refuse an ``attention_mask`` that masks a position: the masks the model builds

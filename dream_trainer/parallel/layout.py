@@ -25,7 +25,7 @@ from dream_trainer.configs.training import TrainingParameters, pipeline_batch_pr
 from dream_trainer.data.loaders import pipeline_split_problem
 from dream_trainer.parallel.context import Context, ContextParallel
 from dream_trainer.parallel.data_parallel import DataParallelBackend
-from dream_trainer.parallel.documents import documents
+from dream_trainer.parallel.documents import microbatch_documents
 from dream_trainer.parallel.dtensor import full_value
 from dream_trainer.parallel.experts import ExpertParallel, Experts
 from dream_trainer.parallel.grad_norm import clip_grad_norm
@@ -35,7 +35,8 @@ from dream_trainer.parallel.materialize import (FullTensorInit, has_meta_tensors
                                                 parameters_named)
 from dream_trainer.parallel.parts import PARTS, BuildHooks, Part
 from dream_trainer.parallel.pipeline import PipelineStages, stage_ids, tied_names
-from dream_trainer.parallel.pipeline_schedule import LossFn, PipelineRunner
+from dream_trainer.parallel.pipeline_schedule import (LossFn, PipelineRunner,
+                                                     split_microbatches)
 from dream_trainer.parallel.stage_init import copy_into_stages, materialize_stages
 from dream_trainer.world.agree import agree_any
 from dream_trainer.world.dims import MeshAxis
@@ -179,8 +180,7 @@ class Layout:
         Raises:
             ValueError: where the layout cannot keep the documents apart yet.
         """
-        self.context.check_documents()
-        return documents(document_ids, position_ids, models)
+        return self.context.documents(document_ids, position_ids, models)
 
     def local_pass(self, models: Iterable[nn.Module]) -> contextlib.AbstractContextManager[None]:
         """A context in which the models' forward and backward run on this rank alone, for a
@@ -368,13 +368,34 @@ class PipelineLayout(Layout):
             loss = _held(model).run(tuple(inputs), target, loss_fn, None, sum_losses)
         return self.context.whole_loss(loss, sum_losses)
 
+    @contextlib.contextmanager
     def documents(self, document_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                  models: Iterable[nn.Module]) -> contextlib.AbstractContextManager[None]:
-        raise ValueError(
-            "packed documents (self.documents) do not run under pipeline_parallel > 1 yet: "
-            "the schedule cuts each batch into microbatches, and their document ids would "
-            "have to reach every stage with them. Train packed documents with FSDP2, HSDP, "
-            "DDP or tensor parallelism, or pack without documents=True")
+                  models: Iterable[nn.Module]) -> Iterator[None]:
+        """Packed documents through the schedule: every stage masks the microbatch it runs
+        (forward, and backward where activations are recomputed) by that microbatch's rows
+        of ``document_ids``, cut as the schedule cuts the inputs.
+
+        Raises:
+            ValueError: under context parallelism as well, which this does not combine with
+                yet, or for ``document_ids`` that are not ``[batch, seq]``.
+        """
+        if isinstance(self.context, ContextParallel):
+            raise ValueError(
+                "packed documents (self.documents) do not run under pipeline_parallel > 1 "
+                "with context_parallel > 1 yet: train them with one of the two, or pack "
+                "without documents=True")
+        if document_ids.dim() != 2:
+            raise ValueError(f"document_ids of shape {tuple(document_ids.shape)}: give one "
+                             "row of document ids per sequence, [batch, seq]")
+        runner = self._built().runner
+        assert runner is not None  # the stages built here have one
+        chunks = split_microbatches(document_ids, self.world.dims.pp_microbatches)
+        with microbatch_documents(chunks) as entering:
+            runner.microbatch_hook = entering
+            try:
+                yield
+            finally:
+                runner.microbatch_hook = None
 
     def local_pass(self, models: Iterable[nn.Module]) -> contextlib.AbstractContextManager[None]:
         raise RuntimeError("a pass cannot run on one rank alone under pipeline_parallel > 1: "

@@ -90,6 +90,9 @@ class PipelineRunner:
         self._group: dist.ProcessGroup | None = None
         self._slot = _LossSlot()
         self._schedules: dict[tuple[Any, ...], Any] = {}
+        self.microbatch_hook: Callable[[int], None] | None = None
+        """Called with the index of the microbatch a stage runs next (packed documents
+        switch their mask there); None when nothing needs it."""
 
     def run(self, stages: Sequence[nn.Module], inputs: tuple[Any, ...], target: Any,
             loss_fn: LossFn, loss_scale: float | None, sum_losses: bool) -> torch.Tensor:
@@ -172,6 +175,7 @@ class PipelineRunner:
         target_chunks = split_microbatches(target, n)
         losses = []
         for mb in range(n):
+            self.entering(mb)
             carried: Any = None
             for stage in range(self.num_stages):
                 if self._holder(stage) != me:
@@ -188,6 +192,11 @@ class PipelineRunner:
                     self._send(output, self._holder(stage + 1))
                 carried = output
         return losses
+
+    def entering(self, microbatch: int) -> None:
+        """A stage is about to run ``microbatch`` (forward or backward)."""
+        if self.microbatch_hook is not None:
+            self.microbatch_hook(microbatch)
 
     def _holder(self, stage: int) -> int:
         """The pipeline rank that holds ``stage`` (V placement)."""
@@ -235,12 +244,23 @@ class PipelineRunner:
 
         from dream_trainer.nn.moe import uncounted_load
 
+        runner = self
+
         class Stage(PipelineStage):
             def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
                 # A pass on the first microbatch (garbage after the first stage) that is not
                 # part of the batch: MoE layers must not count its routing into their load.
+                runner.entering(0)
                 with uncounted_load():
                     return super()._forward_metadata_inference(*args, **kwargs)
+
+            def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+                runner.entering(fwd_chunk_id)
+                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+            def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+                runner.entering(bwd_chunk_id)  # activation checkpointing recomputes here
+                return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
         return [Stage(module, stage, self.num_stages, self.device, group=self.group)
                 for module, stage in zip(stages, self.stage_ids)]

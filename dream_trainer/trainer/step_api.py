@@ -183,14 +183,19 @@ class StepAPI(AbstractTrainer):
                                        reduction="sum")
                 self.backward(loss, num_items=int((batch["targets"] != -100).sum()))
 
-        Run backward inside it (activation checkpointing recomputes attention there). See
+        Run backward inside it (activation checkpointing recomputes attention there). Under
+        ``context_parallel > 1`` give it the whole sequences' ids and split the tokens inside
+        it (``with self.documents(...), self.context_parallel(ids, targets) as ...``): the
+        gathered attention masks keys by document as well as position, for documents of
+        any length and across the cuts. Under ``pipeline_parallel > 1`` run the model through
+        ``forward_backward`` inside it: each stage masks the microbatch it runs. See
         ``dream_trainer.parallel.documents``.
 
         Raises:
             ValueError: for shapes that are not ``[batch, seq]`` alike, attention over
                 another sequence length or batch inside it, a transformers model given an
-                ``attention_mask`` there, or a layout that cannot keep documents apart yet
-                (``pipeline_parallel > 1``, ``context_parallel > 1``).
+                ``attention_mask`` there, or a pipeline with context parallelism, which
+                cannot keep documents apart yet.
         """
         return self.layout.documents(document_ids, position_ids, self.named_models().values())
 

@@ -119,3 +119,45 @@ def test_an_attention_mask_or_another_length_is_refused_inside_the_context() -> 
             pass
     # The context puts torch's own function back, also after an error inside it.
     assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+
+
+def test_under_context_parallelism_transformers_rotary_positions_are_the_documents() -> None:
+    from dream_trainer.parallel.context_hf import HFDecoders
+    from dream_trainer.parallel.context_split import SequenceSplit
+
+    # Rank 1 of cp=2, balanced: it holds positions 4-11 of 16 (chunks 1 and 2 of 4).
+    split = SequenceSplit(16, 2, 1, True, torch.device("cpu"))
+    sample = packed_sample(VOCAB)  # documents of 5, 7 and 4 tokens
+    decoders = HFDecoders({}, 2, lambda: split, lambda: None,
+                          lambda: sample["position_ids"])
+    local = torch.arange(8).unsqueeze(0)  # what a rotary embedding is called with
+    args, kwargs = decoders._global_positions(nn.Identity(), (None, local), {})
+    assert args[1].tolist() == [[4, 0, 1, 2, 3, 4, 5, 6]]
+    assert torch.equal(args[1], sample["position_ids"][:, 4:12])
+    # Without documents the positions held are the sequence's own.
+    plain = HFDecoders({}, 2, lambda: split, lambda: None)
+    _, kwargs = plain._global_positions(nn.Identity(), (), {"position_ids": local})
+    assert kwargs["position_ids"].tolist() == [list(range(4, 12))]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_flex_attention_path_equals_the_masked_one(causal: bool) -> None:
+    # CUDA runs the documents through FlexAttention's block mask; its forward runs (eagerly)
+    # on the CPU too, so the two paths are compared here; its backward needs CUDA (the GPU
+    # rows). Two kernels of one softmax: within float32 rounding of outputs of scale ~1.
+    import warnings
+
+    from dream_trainer.parallel.documents import (DocumentAttention, document_block_mask,
+                                                  flex_documents)
+
+    sample = packed_sample(VOCAB)
+    ids = sample["document_ids"].repeat(2, 1)  # two sequences
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, 16, 8, generator=generator)
+    key, value = (torch.randn(2, 2, 16, 8, generator=generator) for _ in range(2))
+    masked = DocumentAttention(ids, F.scaled_dot_product_attention).attend(
+        query, key, value, is_causal=causal, enable_gqa=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is slow
+        flex = flex_documents(query, key, value, document_block_mask(ids, causal), None, True)
+    assert (flex - masked).abs().max() <= TOLERANCE

@@ -1,5 +1,6 @@
-"""Packed supervised fine-tuning on every layout that keeps documents apart equals one
-process; the layouts that cannot yet (pipelines, context parallelism) refuse it by name."""
+"""Packed supervised fine-tuning equals one process on every layout: DDP, FSDP2, tensor
+parallelism, a pipeline, context parallelism (documents across its cuts) and cp x FSDP2; a
+pipeline with context parallelism refuses it by name."""
 
 from __future__ import annotations
 
@@ -16,13 +17,17 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "documents_run.py"
 TOLERANCE = 1e-6
 
 
-def test_packed_sft_on_ddp_fsdp_and_tp_equals_one_process(tmp_path: Path) -> None:
-    out = tmp_path / "runs.pt"
-    check(torchrun(SCRIPT, [str(out), "ddp", "fsdp", "tp", "pp", "cp"], nproc=2, timeout=400))
-    runs = torch.load(out, weights_only=False)
+def test_packed_sft_on_every_layout_equals_one_process(tmp_path: Path) -> None:
+    two, four = tmp_path / "two.pt", tmp_path / "four.pt"
+    check(torchrun(SCRIPT, [str(two), "ddp", "fsdp", "tp", "pp", "cp"], nproc=2, timeout=400))
+    check(torchrun(SCRIPT, [str(four), "cp_fsdp", "pp_cp"], nproc=4, timeout=400))
+    runs = {**torch.load(two, weights_only=False), **torch.load(four, weights_only=False)}
     single = run("single")
     assert single["steps"] == 3
-    for layout in ("ddp", "fsdp", "tp"):
+    # The first sample's documents end at the cut between context-parallel chunks and span
+    # the next one (documents_run.documents); cp holds chunks of 4 tokens. The pipeline
+    # cuts each batch into 2 microbatches of 1 sequence, masked each by its own rows.
+    for layout in ("ddp", "fsdp", "tp", "pp", "cp", "cp_fsdp"):
         assert runs[layout]["steps"] == 3, layout
         weights = runs[layout]["weights"]
         assert weights.keys() == single["weights"].keys()
@@ -32,10 +37,7 @@ def test_packed_sft_on_ddp_fsdp_and_tp_equals_one_process(tmp_path: Path) -> Non
     moved = max(float((single["weights"][name] - value).abs().max())
                 for name, value in single["initial"].items())
     assert moved > 1e-3
-    assert runs["pp"] == {"refused": (
-        "packed documents (self.documents) do not run under pipeline_parallel > 1 yet: the "
-        "schedule cuts each batch into microbatches, and their document ids would have to "
-        "reach every stage with them. Train packed documents with FSDP2, HSDP, DDP or tensor "
-        "parallelism, or pack without documents=True")}
-    assert runs["cp"]["refused"].startswith(
-        "packed documents (self.documents) do not run under context_parallel > 1 yet")
+    assert runs["pp_cp"] == {"refused": (
+        "packed documents (self.documents) do not run under pipeline_parallel > 1 with "
+        "context_parallel > 1 yet: train them with one of the two, or pack without "
+        "documents=True")}

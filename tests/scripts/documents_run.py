@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
@@ -25,14 +26,20 @@ from tests.helpers.launch import save_on_rank_zero
 LAYOUTS = {"single": DeviceParameters.SINGLE_DEVICE(), "ddp": DeviceParameters.DDP(),
            "fsdp": DeviceParameters.FSDP(), "tp": DeviceParameters(tensor_parallel=2,
                                                                      dp_shard=1),
-           "pp": DeviceParameters(pipeline_parallel=2, dp_shard=1),
-           "cp": DeviceParameters(context_parallel=2, dp_shard=1)}
+           "pp": DeviceParameters(pipeline_parallel=2, dp_shard=1, pipeline_microbatches=2),
+           "pp_cp": DeviceParameters(pipeline_parallel=2, context_parallel=2, dp_shard=1),
+           "cp": DeviceParameters(context_parallel=2, dp_shard=1),
+           "cp_fsdp": DeviceParameters(context_parallel=2, dp_shard=2)}
+DATA_PARALLEL = {"ddp": 2, "fsdp": 2, "cp_fsdp": 2}
 GLOBAL_BATCH, SEQUENCE, STEPS = 4, 16, 3
 
 
 def documents() -> list[dict[str, list[int]]]:
+    """In order, the first sample's documents end exactly at a cut of the sequence between
+    context-parallel chunks (4 of 16 tokens each), then one spans the next cut; after them
+    documents of random lengths."""
     generator = torch.Generator().manual_seed(7)
-    lengths = torch.randint(2, 12, (40,), generator=generator).tolist()
+    lengths = [4, 6, 3] + torch.randint(2, 12, (40,), generator=generator).tolist()
     return [{"input_ids": torch.randint(0, VOCAB, (n,), generator=generator).tolist()}
             for n in lengths]
 
@@ -43,20 +50,28 @@ def second_half(item: dict[str, list[int]]) -> list[int]:
     return [IGNORE] * (len(ids) // 2) + ids[len(ids) // 2:]
 
 
+def summed_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    logits = getattr(output, "logits", output)  # a pipeline's last stage returns the logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                           ignore_index=IGNORE, reduction="sum")
+
+
 class PackedTrainer(HFTrainer):
     def configure_dataloaders(self) -> tuple[Any, None]:
-        stream = ShardedStream(documents(), seed=3, sequence_length=SEQUENCE, documents=True,
-                               labels=second_half)
+        stream = ShardedStream(documents(), shuffle=False, sequence_length=SEQUENCE,
+                               documents=True, labels=second_half)
         return DataLoader(stream, batch_size=self.config.training_parameters.train_batch_size), \
             None
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        targets = batch["targets"]
+        # The whole sequences' documents around the step; forward_backward splits the
+        # sequences under context parallelism and the batch into microbatches under a
+        # pipeline (each stage masking the microbatch it runs).
+        trained = int((batch["targets"] != IGNORE).sum())
         with self.documents(batch["document_ids"], batch["position_ids"]):
-            logits = self.model(batch["input_ids"]).logits
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                                   ignore_index=IGNORE, reduction="sum")
-            self.backward(loss, num_items=int((targets != IGNORE).sum()))
+            loss = self.forward_backward(self.model, batch["input_ids"],
+                                         target=batch["targets"], loss_fn=summed_loss,
+                                         num_items=trained)
         self.step(self.model, self.optimizer)
         return {"loss": loss}
 
@@ -69,14 +84,20 @@ class PackedTrainer(HFTrainer):
         self.final = self.full_weights()
 
     def full_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight of the model, on every rank (a pipeline rank holds its stages')."""
         model = getattr(self.model, "module", self.model)  # DDP's wrapped model
-        return {clean_name(name): full_value(param).detach().clone()
+        mine = {clean_name(name): full_value(param).detach().clone()
                 for name, param in model.named_parameters()}
+        if not dist.is_initialized():
+            return mine
+        pieces: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(pieces, mine)
+        return {name: value for piece in pieces for name, value in piece.items()}
 
 
 def run(layout: str) -> dict[str, Any]:
     params = LAYOUTS[layout]
-    ranks = 2 if layout in ("ddp", "fsdp") else 1
+    ranks = DATA_PARALLEL.get(layout, 1)
     config = hf_config(device_parameters=params, training_parameters=TrainingParameters(
         n_epochs=None, max_steps=STEPS, train_batch_size=GLOBAL_BATCH // ranks))
     trainer = PackedTrainer(config)
