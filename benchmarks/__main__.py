@@ -24,8 +24,8 @@ import torch
 
 from benchmarks import (checkpoint_speed, context_parallel, expert_steps, hf_load_memory,
                         meta_init_memory, metadata_decode, object_store, pipeline_steps,
-                        plan_scale, resume_time, startup, step_overhead, stream_index,
-                        stream_resume, training_memory)
+                        plan_scale, resume_time, sft_packing, startup, step_overhead,
+                        stream_index, stream_resume, training_memory)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -68,6 +68,8 @@ def sections(quick: bool, lightning_python: str | None) -> dict[str, Callable[[]
         "metadata_decode": lambda: metadata_decode.measure(20 if quick else 2000,
                                                            4 if quick else 64,
                                                            1 if quick else 3),
+        "sft_packing": lambda: (sft_packing.measure(24, 1, sft_packing.QUICK) if quick
+                                else sft_packing.measure()),
     }
 
 
@@ -100,7 +102,8 @@ def markdown(results: dict[str, Any]) -> str:
                       "plan_scale": plan_scale, "metadata_decode": metadata_decode,
                       "stream_index": stream_index, "object_store": object_store,
                       "pipeline_steps": pipeline_steps, "expert_steps": expert_steps,
-                      "context_parallel": context_parallel}[kind]
+                      "context_parallel": context_parallel,
+                      "sft_packing": sft_packing}[kind]
             lines += module.markdown(result)
     return "\n".join(lines) + "\n"
 

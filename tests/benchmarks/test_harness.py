@@ -21,7 +21,7 @@ from tests.helpers.launch import REPO, check, child_env
 # resume_time (four 2-rank launches even at its smallest) runs only in `make bench`.
 SECTIONS = {"step_overhead/mlp/1", "step_overhead/mlp/2", "training_memory",
             "hf_load_memory", "stream_resume", "gpu_throughput", "plan_scale", "pipeline_steps",
-            "expert_steps", "metadata_decode"}
+            "expert_steps", "metadata_decode", "sft_packing"}
 
 
 def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> None:
@@ -69,9 +69,15 @@ def test_quick_run_writes_every_section_as_json_and_markdown(tmp_path: Path) -> 
     assert all(rank["param_bytes"] > 0 for rank in plan["per_rank"].values())
     decode = results["sections"]["metadata_decode"]
     assert decode["chunks"] == 80 and decode["ratio_safe_to_pickle"] > 0
+    sft = results["sections"]["sft_packing"]
+    ratio = sft["ratio_packed_to_padded"]["median"]
+    assert math.isfinite(ratio) and ratio > 0
+    # Packing leaves no position empty; the padded batches of 10-to-130-token conversations do.
+    assert sft["packed"]["timed_positions"] > 0 and 0 < sft["padding_share"] < 1
     table = (tmp_path / "results.md").read_text().splitlines()
     assert table[:2] == ["| Benchmark | Figure |", "|---|---|"]
     assert any("BaseTrainer / hand-written" in row for row in table)
     assert any("dream-trainer plan" in row and "peak RSS" in row for row in table)
     assert any("pipeline_parallel=2" in row for row in table)
     assert any(row.startswith("| decode .metadata of 80 chunks") for row in table)
+    assert any("packed / padded trained tokens/s" in row for row in table)
