@@ -163,7 +163,7 @@ class TrainingState:
             rank), and the blob's tensors are loaded into the live ones where they still
             exist (in place, sharded), else into new tensors of the saved size.
         flat_optimizers: Save (or load) optimizer states in the flattened form; by default
-            when the trainer runs a pipeline.
+            the layout's (``Layout.flat_optimizers``: under a pipeline).
         source: The checkpoint loaded from, named when one of its values is refused.
         trusted: Globals its packed values may unpickle besides the allowlist (see
             ``checkpoint.trust``).
@@ -184,7 +184,7 @@ class TrainingState:
         self.trusted = tuple(trusted)
         self.weights_only = weights_only
         self.saved = saved
-        self.flat_optimizers = trainer.world.dims.pp > 1 if flat_optimizers is None \
+        self.flat_optimizers = trainer.layout.flat_optimizers if flat_optimizers is None \
             else flat_optimizers
         self.loaded_rng: dict[str, Any] | None = None
         self.saved_world_size: int | None = None

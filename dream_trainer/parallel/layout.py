@@ -48,8 +48,7 @@ class LayoutDescription:
     """What a layout is, for reports (``Layout.describe``)."""
 
     pipeline: dict[str, Any]
-    """The pipeline's settings (``pipeline_schedule``, ``pipeline_stages``,
-    ``pipeline_microbatches``); empty without a pipeline."""
+    """The pipeline's schedule, stages and microbatches by field; empty without one."""
     degrees: dict[str, int]
     """Every resolved degree by its config field (``ParallelDims.degrees``)."""
     parts: dict[str, str]
@@ -67,6 +66,10 @@ class Layout:
         data_parallel: How the models are replicated (``backend_for(world.dims)``).
         parts: The parts the build runs, in order (``PARTS``).
     """
+
+    flat_optimizers = False
+    """Whether checkpoints hold optimizer states keyed by parameter name, not index (a
+    pipeline's stages number their parameters apart)."""
 
     def __init__(self, world: DistributedWorld, data_parallel: DataParallelBackend,
                  parts: tuple[Part, ...] = PARTS) -> None:
@@ -227,6 +230,8 @@ class PipelineLayout(Layout):
     """``pipeline_parallel > 1``: the one model is split into stages over the ``pp`` ranks,
     the model attribute holds this rank's ``PipelineStages``, and the schedule runs each
     micro-batch forward and backward stage by stage."""
+
+    flat_optimizers = True
 
     def __init__(self, world: DistributedWorld, data_parallel: DataParallelBackend,
                  parts: tuple[Part, ...] = PARTS) -> None:
