@@ -137,8 +137,16 @@ def safe_reader(path: str | Location, trusted: Iterable[str] = ()) -> Any:
 def reader_class() -> type:
     """The class of ``safe_reader``'s readers: a DCP ``FileSystemReader`` whose metadata and
     items go through ``safe_pickle``. Built on first use: importing DCP takes about a second,
-    which ``import dream_trainer`` should not cost."""
-    from torch.distributed._shard._utils import narrow_tensor_by_index
+    which ``import dream_trainer`` should not cost.
+
+    DCP's public seams carry it where they exist: the ``StorageReader`` methods it overrides
+    (``read_metadata``, ``read_data``) and the ``LoadPlanner`` calls that hand values over
+    (``load_bytes``, ``resolve_tensor``, ``commit_tensor``). DCP has none for reading one item
+    of a file, so that loop is written here over ``FileSystemReader``'s attributes
+    ``storage_data`` (where each item lies, set by ``read_metadata``) and ``transforms`` (the
+    stream transforms it was saved with); a torch that renames them fails the suite's
+    checkpoint tests, not a run silently.
+    """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
     from torch.distributed.checkpoint.planner import LoadItemType
@@ -210,7 +218,8 @@ def reader_class() -> type:
                                       f"hold the part the metadata reads from it (offsets "
                                       f"{offsets}, sizes {lengths}): the file or its metadata "
                                       "was altered; resume from an earlier checkpoint")
-            tensor = narrow_tensor_by_index(tensor, offsets, lengths)
+            for dim, (start, length) in enumerate(zip(offsets, lengths)):
+                tensor = tensor.narrow(dim, start, length)
             target = planner.resolve_tensor(item).detach()
             if target.size() != tensor.size():
                 raise CheckpointError(f"{source} holds a chunk of size {tuple(tensor.size())} "
