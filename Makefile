@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
-	$(PY) -m pip install --quiet -e ".[dev,metrics,wandb,tensorboard,docs,hf,ft,float8,s3]"
+	$(PY) -m pip install --quiet -e ".[dev,metrics,wandb,tensorboard,docs,hf,ft,float8,s3,lora]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -80,7 +80,7 @@ def test_import_pulls_in_no_optional_extra() -> None:
     assert "torch" in modules  # the probe really ran the import
     for heavy in ("wandb", "torchmetrics", "lightning", "rich.progress", "rich.console",
                   "tensorboard", "torch.utils.tensorboard", "PIL", "sklearn", "transformers",
-                  "torchft", "torchao", "opentelemetry"):
+                  "torchft", "torchao", "opentelemetry", "peft"):
         assert heavy not in modules, heavy
     # Each of these takes about a second to import (DTensor pulls in sympy); they load when a
     # run first shards, checkpoints or exports, not at `import dream_trainer`.

@@ -1,0 +1,83 @@
+"""LoRA adapters (peft) on a base built on the meta device: peft's initialization, only the
+adapters trained, peft's own numbers, and DDP and FSDP2 equal to one process with the base
+unchanged bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.launch import REPO, check, torchrun
+
+SCRIPT = REPO / "tests/scripts/lora_run.py"
+# SGD steps of one computation with the batch mean taken in another order (the data-parallel
+# average): adapters of scale ~0.1 agree to float32 rounding.
+TOLERANCE = 1e-6
+
+
+@pytest.fixture(scope="module")
+def single() -> dict[str, Any]:
+    from tests.scripts.lora_run import run
+
+    return run("single")
+
+
+def adapters(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: value for name, value in weights.items() if ".lora_" in name}
+
+
+def test_only_the_adapters_train_and_start_as_peft_starts_them(single: dict[str, Any]) -> None:
+    # r=4 on 7 projections of 2 layers: an A and a B each.
+    assert len(single["trainable"]) == 2 * 7 * 2
+    assert all(".lora_A." in name or ".lora_B." in name for name in single["trainable"])
+    initial = adapters(single["initial"])
+    assert all(not bool(value.any()) for name, value in initial.items() if ".lora_B." in name)
+    assert all(bool(value.any()) for name, value in initial.items() if ".lora_A." in name)
+    for name, value in single["initial"].items():
+        if name not in single["trainable"]:
+            assert torch.equal(single["final"][name], value), name  # the base is frozen
+    moved = max(float((single["final"][name] - value).abs().max())
+                for name, value in initial.items())
+    assert moved > 1e-3
+
+
+def test_the_fine_tune_is_peft_s_own_trained_by_hand(single: dict[str, Any]) -> None:
+    from peft import get_peft_model
+
+    from tests.helpers.hf import SEQ, VOCAB, build
+    from tests.scripts.lora_run import GLOBAL_BATCH, STEPS, lora_config
+
+    model = get_peft_model(build("llama"), lora_config())
+    model.load_state_dict(single["initial"])
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad],
+                                lr=single["lr"])
+    tokens = torch.randint(0, VOCAB, (32, SEQ), generator=torch.Generator().manual_seed(2))
+    model.train()
+    for step in range(STEPS):
+        batch = tokens[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    hand = dict(model.named_parameters())
+    for name, value in adapters(single["final"]).items():
+        assert (hand[name].detach() - value).abs().max() <= TOLERANCE, name
+
+
+def test_ddp_and_fsdp2_train_what_one_process_trains(tmp_path: Path,
+                                                     single: dict[str, Any]) -> None:
+    out = tmp_path / "two.pt"
+    check(torchrun(SCRIPT, [str(out), "ddp", "fsdp"], nproc=2, timeout=400))
+    runs = torch.load(out, weights_only=False)
+    for layout in ("ddp", "fsdp"):
+        run = runs[layout]
+        assert run["steps"] == single["steps"] == 3, layout
+        assert run["trainable"] == single["trainable"], layout
+        for name, value in single["initial"].items():
+            assert torch.equal(run["initial"][name], value), (layout, name)
+            if name not in single["trainable"]:
+                assert torch.equal(run["final"][name], value), (layout, name)
+        for name, value in adapters(single["final"]).items():
+            assert (run["final"][name] - value).abs().max() <= TOLERANCE, (layout, name)

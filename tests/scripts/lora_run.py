@@ -1,0 +1,84 @@
+"""Script: a LoRA fine-tune (peft, r=4 on the attention and MLP projections) of a tiny
+transformers Llama built on the meta device, one run per layout in one launch; rank 0 saves
+each run's initial and final weights (every rank's, gathered) and the batches it trained on.
+
+    torchrun --nproc_per_node=N lora_run.py OUT LAYOUT [LAYOUT ...]
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dream_trainer.configs import DeviceParameters, TrainingParameters
+from dream_trainer.parallel.dtensor import full_value
+from dream_trainer.parallel.names import clean_name
+from tests.helpers.hf import HFTrainer, hf_config
+from tests.helpers.launch import save_on_rank_zero
+
+LAYOUTS = {"single": DeviceParameters.SINGLE_DEVICE(), "ddp": DeviceParameters.DDP(),
+           "fsdp": DeviceParameters.FSDP()}
+DATA_PARALLEL = {"ddp": 2, "fsdp": 2}
+GLOBAL_BATCH, STEPS = 4, 3
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_config() -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS)
+
+
+class LoraTrainer(HFTrainer):
+    def configure_models(self) -> None:
+        from peft import get_peft_model
+
+        super().configure_models()
+        self.model = get_peft_model(self.model, lora_config())
+
+    def configure_optimizers(self) -> None:
+        self.optimizer = torch.optim.SGD(
+            [p for p in self.model.parameters() if p.requires_grad], lr=self.config.lr)
+
+    def post_setup(self) -> None:
+        super().post_setup()
+        self.initial = self.full_weights()
+
+    def post_fit(self) -> None:
+        super().post_fit()
+        self.final = self.full_weights()
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight, whole, on every rank."""
+        model = getattr(self.model, "module", self.model)  # DDP's wrapped model
+        mine = {clean_name(name): full_value(param).detach().clone()
+                for name, param in model.named_parameters()}
+        if not dist.is_initialized():
+            return mine
+        pieces: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(pieces, mine)
+        return {name: value for piece in pieces for name, value in piece.items()}
+
+
+def run(layout: str) -> dict[str, Any]:
+    ranks = DATA_PARALLEL.get(layout, 1)
+    config = hf_config(device_parameters=LAYOUTS[layout], training_parameters=TrainingParameters(
+        n_epochs=1, max_steps=STEPS, train_batch_size=GLOBAL_BATCH // ranks))
+    trainer = LoraTrainer(config)
+    trainer.fit()
+    trainable = sorted(clean_name(name) for name, param
+                       in getattr(trainer.model, "module", trainer.model).named_parameters()
+                       if param.requires_grad)
+    return {"initial": trainer.initial, "final": trainer.final, "trainable": trainable,
+            "steps": trainer.global_step, "lr": config.lr}
+
+
+def main(out: str, layouts: list[str]) -> None:
+    save_on_rank_zero({layout: run(layout) for layout in layouts}, out, "lora")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
