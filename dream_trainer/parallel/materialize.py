@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 from dream_trainer.parallel.dtensor import is_dtensor, local_tensor
 from dream_trainer.parallel.hf_init import init_hf_models
-from dream_trainer.parallel.peft_init import init_peft_adapters
+from dream_trainer.parallel.lora import init_peft_adapters
 from dream_trainer.parallel.names import clean_name
 
 _CHECK_ELEMENTS = 2**22  # 16 MiB of float32 per isfinite call

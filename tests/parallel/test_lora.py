@@ -66,18 +66,33 @@ def test_the_fine_tune_is_peft_s_own_trained_by_hand(single: dict[str, Any]) -> 
         assert (hand[name].detach() - value).abs().max() <= TOLERANCE, name
 
 
-def test_ddp_and_fsdp2_train_what_one_process_trains(tmp_path: Path,
-                                                     single: dict[str, Any]) -> None:
-    out = tmp_path / "two.pt"
-    check(torchrun(SCRIPT, [str(out), "ddp", "fsdp"], nproc=2, timeout=400))
-    runs = torch.load(out, weights_only=False)
-    for layout in ("ddp", "fsdp"):
-        run = runs[layout]
-        assert run["steps"] == single["steps"] == 3, layout
-        assert run["trainable"] == single["trainable"], layout
-        for name, value in single["initial"].items():
-            assert torch.equal(run["initial"][name], value), (layout, name)
-            if name not in single["trainable"]:
-                assert torch.equal(run["final"][name], value), (layout, name)
-        for name, value in adapters(single["final"]).items():
-            assert (run["final"][name] - value).abs().max() <= TOLERANCE, (layout, name)
+def assert_equal_runs(run: dict[str, Any], single: dict[str, Any], layout: str) -> None:
+    """The same initial weights, the base unchanged, the adapters within the tolerance."""
+    assert run["steps"] == single["steps"] == 3, layout
+    assert run["trainable"] == single["trainable"], layout
+    for name, value in single["initial"].items():
+        assert torch.equal(run["initial"][name], value), (layout, name)
+        if name not in single["trainable"]:
+            assert torch.equal(run["final"][name], value), (layout, name)
+    for name, value in adapters(single["final"]).items():
+        assert (run["final"][name] - value).abs().max() <= TOLERANCE, (layout, name)
+
+
+def test_ddp_fsdp2_and_hsdp_train_what_one_process_trains(tmp_path: Path,
+                                                          single: dict[str, Any]) -> None:
+    from tests.scripts.lora_run import run
+
+    two, four = tmp_path / "two.pt", tmp_path / "four.pt"
+    check(torchrun(SCRIPT, [str(two), "ddp", "fsdp", "fsdp_bf16"], nproc=2, timeout=400))
+    check(torchrun(SCRIPT, [str(four), "hsdp"], nproc=4, timeout=400))
+    runs = {**torch.load(two, weights_only=False), **torch.load(four, weights_only=False)}
+    for layout in ("ddp", "fsdp", "hsdp"):
+        assert_equal_runs(runs[layout], single, layout)
+    # A bfloat16 base with float32 adapters (param_dtype left at float32, so FSDP2 casts
+    # nothing): each block's unit gathers both dtypes and trains what one process trains.
+    single_bf16 = run("single_bf16")
+    assert {value.dtype for name, value in single_bf16["final"].items()
+            if ".lora_" in name} == {torch.float32}
+    assert {value.dtype for name, value in single_bf16["final"].items()
+            if ".lora_" not in name} == {torch.bfloat16}
+    assert_equal_runs(runs["fsdp_bf16"], single_bf16, "fsdp_bf16")

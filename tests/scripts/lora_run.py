@@ -20,8 +20,10 @@ from tests.helpers.hf import HFTrainer, hf_config
 from tests.helpers.launch import save_on_rank_zero
 
 LAYOUTS = {"single": DeviceParameters.SINGLE_DEVICE(), "ddp": DeviceParameters.DDP(),
-           "fsdp": DeviceParameters.FSDP()}
-DATA_PARALLEL = {"ddp": 2, "fsdp": 2}
+           "fsdp": DeviceParameters.FSDP(), "hsdp": DeviceParameters.HSDP(dp_shard=2)}
+DATA_PARALLEL = {"ddp": 2, "fsdp": 2, "hsdp": 4}
+"""Data-parallel ranks of each layout; a ``_bf16`` suffix keeps the base in bfloat16 (the
+adapters in float32)."""
 GLOBAL_BATCH, STEPS = 4, 3
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -33,11 +35,14 @@ def lora_config() -> Any:
 
 
 class LoraTrainer(HFTrainer):
+    base_dtype = torch.float32
+
     def configure_models(self) -> None:
         from peft import get_peft_model
 
         super().configure_models()
-        self.model = get_peft_model(self.model, lora_config())
+        # peft keeps the adapters in float32 on a bfloat16 base (autocast_adapter_dtype).
+        self.model = get_peft_model(self.model.to(self.base_dtype), lora_config())
 
     def configure_optimizers(self) -> None:
         self.optimizer = torch.optim.SGD(
@@ -64,10 +69,13 @@ class LoraTrainer(HFTrainer):
 
 
 def run(layout: str) -> dict[str, Any]:
-    ranks = DATA_PARALLEL.get(layout, 1)
-    config = hf_config(device_parameters=LAYOUTS[layout], training_parameters=TrainingParameters(
+    name, _, dtype = layout.partition("_")
+    ranks = DATA_PARALLEL.get(name, 1)
+    config = hf_config(device_parameters=LAYOUTS[name], training_parameters=TrainingParameters(
         n_epochs=1, max_steps=STEPS, train_batch_size=GLOBAL_BATCH // ranks))
-    trainer = LoraTrainer(config)
+    kind = type("Bf16LoraTrainer", (LoraTrainer,), {"base_dtype": torch.bfloat16}) \
+        if dtype == "bf16" else LoraTrainer
+    trainer = kind(config)
     trainer.fit()
     trainable = sorted(clean_name(name) for name, param
                        in getattr(trainer.model, "module", trainer.model).named_parameters()

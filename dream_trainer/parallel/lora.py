@@ -1,4 +1,5 @@
-"""The initialization peft gives its LoRA adapters, for a peft model built on the meta device.
+"""LoRA adapters of peft models under dream_trainer's build: their initialization on the meta
+device.
 
 ``get_peft_model`` initializes each adapter when it adds it (``LoraLayer.update_layer``): A
 as ``nn.Linear`` would be (or Gaussian), B at zero, so the wrapped model starts as the base.
