@@ -89,7 +89,8 @@ def test_ddp_fsdp2_and_hsdp_train_what_one_process_trains(tmp_path: Path,
     for layout in ("ddp", "fsdp", "hsdp"):
         assert_equal_runs(runs[layout], single, layout)
     # A bfloat16 base with float32 adapters (param_dtype left at float32, so FSDP2 casts
-    # nothing): each block's unit gathers both dtypes and trains what one process trains.
+    # nothing): each block's unit holds both dtypes (all-gathered as bytes; only the float32
+    # adapters have gradients to reduce) and trains what one process trains.
     single_bf16 = run("single_bf16")
     assert {value.dtype for name, value in single_bf16["final"].items()
             if ".lora_" in name} == {torch.float32}
