@@ -162,12 +162,15 @@ class SetupMixin(ParallelizeModels):
         or shards and ``model.safetensors.index.json``, keyed by ``map_exported_key``, plus
         ``config.json`` for a ``transformers`` model; with several models each gets the
         directory ``path/<model>``. ``"safetensors"`` writes ``path/<model>.safetensors``
-        with the trainer's keys. Tied parameters are written once, under their first key.
+        with the trainer's keys. ``"peft"`` writes a peft model's LoRA adapter as
+        ``PeftModel.from_pretrained`` loads it (``adapter_model.safetensors`` and
+        ``adapter_config.json``; a local ``path``). Tied parameters are written once, under
+        their first key.
 
         Args:
             path: The output directory (created if needed) or URL; it must be empty unless
                 ``overwrite`` is set.
-            format: ``"hf"`` or ``"safetensors"``.
+            format: ``"hf"``, ``"safetensors"`` or ``"peft"``.
             dtype: Cast floating tensors (``torch.bfloat16``); None keeps their dtype.
             max_shard_bytes: Largest shard of an ``"hf"`` export.
             overwrite: Export into a non-empty ``path`` (an earlier export's, say): its old
@@ -177,7 +180,9 @@ class SetupMixin(ParallelizeModels):
             The written directory (``"hf"``) or file of each model, by model name.
 
         Raises:
-            ValueError: for an unknown format, or two keys mapped to the same name.
+            ValueError: for an unknown format, or two keys mapped to the same name; for
+                ``"peft"``, a model that is not a peft model (or holds several adapters), or
+                an object-store ``path``.
             FileExistsError: on every rank, if ``path`` is not empty and ``overwrite`` is
                 False.
             RuntimeError: when called by several ranks outside ``fit()``, whose process
@@ -191,8 +196,22 @@ class SetupMixin(ParallelizeModels):
                 f"{self.world.world_size}-rank run is gone: call it during fit(), for example "
                 "from post_fit(), or export a checkpoint with `dream-trainer export`")
 
+        if format == "peft":
+            return self._export_adapters(path, dtype, overwrite)
         return export_models(self.named_models(), path, format, self.map_exported_key,
                              dtype, max_shard_bytes, overwrite)
+
+    def _export_adapters(self, path: str | Path, dtype: torch.dtype | None,
+                         overwrite: bool) -> dict[str, Path | ObjectPath]:
+        from dream_trainer.checkpoint.storage import location, storage_for
+        from dream_trainer.weights.peft import export_adapters
+
+        target = location(path)
+        if not isinstance(target, Path):
+            raise ValueError(f"format='peft' writes to a local directory, not {target}: "
+                             "export there and upload the directory")
+        return dict(export_adapters(self.named_models(), target, dtype, storage_for(target),
+                                    overwrite))
 
     # -- phases (run whether or not user hooks call super()) ----------------------------------
     @runs_on("pre_configure")

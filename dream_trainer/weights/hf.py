@@ -52,7 +52,7 @@ CONFIG = "config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 """Shard size of an export unless asked otherwise: 5 GiB, transformers 4's default."""
 
-ExportFormat = Literal["hf", "safetensors"]
+ExportFormat = Literal["hf", "safetensors", "peft"]
 
 
 class Files(Protocol):

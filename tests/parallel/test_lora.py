@@ -19,10 +19,15 @@ TOLERANCE = 1e-6
 
 
 @pytest.fixture(scope="module")
-def single() -> dict[str, Any]:
+def exports(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("lora_exports")
+
+
+@pytest.fixture(scope="module")
+def single(exports: Path) -> dict[str, Any]:
     from tests.scripts.lora_run import run
 
-    return run("single")
+    return run("single", str(exports))
 
 
 def adapters(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -78,13 +83,14 @@ def assert_equal_runs(run: dict[str, Any], single: dict[str, Any], layout: str) 
         assert (run["final"][name] - value).abs().max() <= TOLERANCE, (layout, name)
 
 
-def test_ddp_fsdp2_and_hsdp_train_what_one_process_trains(tmp_path: Path,
+def test_ddp_fsdp2_and_hsdp_train_what_one_process_trains(tmp_path: Path, exports: Path,
                                                           single: dict[str, Any]) -> None:
     from tests.scripts.lora_run import run
 
     two, four = tmp_path / "two.pt", tmp_path / "four.pt"
-    check(torchrun(SCRIPT, [str(two), "ddp", "fsdp", "fsdp_bf16"], nproc=2, timeout=400))
-    check(torchrun(SCRIPT, [str(four), "hsdp"], nproc=4, timeout=400))
+    check(torchrun(SCRIPT, [str(two), str(exports), "ddp", "fsdp", "fsdp_bf16"], nproc=2,
+                   timeout=400))
+    check(torchrun(SCRIPT, [str(four), str(exports), "hsdp"], nproc=4, timeout=400))
     runs = {**torch.load(two, weights_only=False), **torch.load(four, weights_only=False)}
     for layout in ("ddp", "fsdp", "hsdp"):
         assert_equal_runs(runs[layout], single, layout)
@@ -97,3 +103,31 @@ def test_ddp_fsdp2_and_hsdp_train_what_one_process_trains(tmp_path: Path,
     assert {value.dtype for name, value in single_bf16["final"].items()
             if ".lora_" not in name} == {torch.bfloat16}
     assert_equal_runs(runs["fsdp_bf16"], single_bf16, "fsdp_bf16")
+
+
+@pytest.mark.parametrize("layout", ["single", "fsdp"])
+def test_the_peft_export_loads_with_peft_from_pretrained(layout: str, exports: Path,
+                                                         single: dict[str, Any]) -> None:
+    # The fsdp export is written by the launch of the test above (module order).
+    from peft import PeftModel, get_peft_model
+
+    from tests.helpers.hf import build, fixed_batch
+    from tests.scripts.lora_run import lora_config
+
+    directory = exports / layout
+    assert sorted(path.name for path in directory.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    base_weights = {name.removeprefix("base_model.model.").replace(".base_layer.", "."): value
+                    for name, value in single["initial"].items() if ".lora_" not in name}
+    base = build("llama")
+    base.load_state_dict(base_weights)
+    loaded = PeftModel.from_pretrained(base, str(directory)).eval()
+    trained = get_peft_model(build("llama"), lora_config()).eval()
+    trained.load_state_dict(single["final"])
+    for name, value in dict(loaded.named_parameters()).items():
+        if ".lora_" in name:  # every adapter came back, as the run trained it
+            assert (value - single["final"][name]).abs().max() <= TOLERANCE, name
+    with torch.no_grad():
+        tokens = fixed_batch()
+        difference = (loaded(input_ids=tokens).logits - trained(input_ids=tokens).logits)
+    assert difference.abs().max() <= 1e-5

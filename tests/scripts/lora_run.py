@@ -2,12 +2,15 @@
 transformers Llama built on the meta device, one run per layout in one launch; rank 0 saves
 each run's initial and final weights (every rank's, gathered) and the batches it trained on.
 
-    torchrun --nproc_per_node=N lora_run.py OUT LAYOUT [LAYOUT ...]
+    torchrun --nproc_per_node=N lora_run.py OUT EXPORT_ROOT LAYOUT [LAYOUT ...]
+
+Each run exports its adapter (``format="peft"``) to EXPORT_ROOT/<layout> at the end.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +39,7 @@ def lora_config() -> Any:
 
 class LoraTrainer(HFTrainer):
     base_dtype = torch.float32
+    export_dir: Path | None = None
 
     def configure_models(self) -> None:
         from peft import get_peft_model
@@ -55,6 +59,8 @@ class LoraTrainer(HFTrainer):
     def post_fit(self) -> None:
         super().post_fit()
         self.final = self.full_weights()
+        if self.export_dir is not None:
+            self.export_weights(self.export_dir, format="peft")
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Every weight, whole, on every rank."""
@@ -68,7 +74,7 @@ class LoraTrainer(HFTrainer):
         return {name: value for piece in pieces for name, value in piece.items()}
 
 
-def run(layout: str) -> dict[str, Any]:
+def run(layout: str, export_root: str | None = None) -> dict[str, Any]:
     name, _, dtype = layout.partition("_")
     ranks = DATA_PARALLEL.get(name, 1)
     config = hf_config(device_parameters=LAYOUTS[name], training_parameters=TrainingParameters(
@@ -76,6 +82,8 @@ def run(layout: str) -> dict[str, Any]:
     kind = type("Bf16LoraTrainer", (LoraTrainer,), {"base_dtype": torch.bfloat16}) \
         if dtype == "bf16" else LoraTrainer
     trainer = kind(config)
+    if export_root is not None:
+        trainer.export_dir = Path(export_root) / layout
     trainer.fit()
     trainable = sorted(clean_name(name) for name, param
                        in getattr(trainer.model, "module", trainer.model).named_parameters()
@@ -84,9 +92,9 @@ def run(layout: str) -> dict[str, Any]:
             "steps": trainer.global_step, "lr": config.lr}
 
 
-def main(out: str, layouts: list[str]) -> None:
-    save_on_rank_zero({layout: run(layout) for layout in layouts}, out, "lora")
+def main(out: str, export_root: str, layouts: list[str]) -> None:
+    save_on_rank_zero({layout: run(layout, export_root) for layout in layouts}, out, "lora")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
