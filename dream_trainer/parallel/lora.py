@@ -59,6 +59,40 @@ def init_peft_adapters(module: nn.Module) -> int:
     return count
 
 
+def lora_tensor_parallel_plan(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """``plan`` (a ``parallelize_module`` plan over ``module``) with every entry that names a
+    LoRA layer split over its parts: the base layer takes the entry's style, and the adapters
+    follow it so that their output adds to the base's shard for shard. Column-parallel: A
+    replicated (it reads the whole input), B column-parallel. Row-parallel: A row-parallel
+    (it reads the input's shard; its output is summed over the ranks), B replicated.
+
+    Raises:
+        ValueError: naming the entry, for a LoRA layer under a style that is neither.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    expanded: dict[str, Any] = {}
+    for name, style in plan.items():
+        layer = module.get_submodule(name)
+        base = getattr(layer, "base_layer", None)
+        adapters = getattr(layer, "lora_A", None)
+        if not (isinstance(base, nn.Module) and isinstance(adapters, nn.ModuleDict)):
+            expanded[name] = style
+            continue
+        expanded[f"{name}.base_layer"] = style
+        for adapter in adapters.keys():
+            if isinstance(style, ColwiseParallel):
+                expanded[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
+            elif isinstance(style, RowwiseParallel):
+                expanded[f"{name}.lora_A.{adapter}"] = RowwiseParallel()
+            else:
+                raise ValueError(
+                    f"{name} is a LoRA layer under {type(style).__name__}: its adapters can "
+                    "follow ColwiseParallel or RowwiseParallel only; give its base one of "
+                    "them, or leave the layer out of the plan")
+    return expanded
+
+
 def _outermost_peft_models(module: nn.Module) -> list[nn.Module]:
     found: list[nn.Module] = []
     for candidate in module.modules():

@@ -83,16 +83,16 @@ def assert_equal_runs(run: dict[str, Any], single: dict[str, Any], layout: str) 
         assert (run["final"][name] - value).abs().max() <= TOLERANCE, (layout, name)
 
 
-def test_ddp_fsdp2_and_hsdp_train_what_one_process_trains(tmp_path: Path, exports: Path,
+def test_ddp_fsdp2_hsdp_and_tp_train_what_one_process_trains(tmp_path: Path, exports: Path,
                                                           single: dict[str, Any]) -> None:
     from tests.scripts.lora_run import run
 
     two, four = tmp_path / "two.pt", tmp_path / "four.pt"
-    check(torchrun(SCRIPT, [str(two), str(exports), "ddp", "fsdp", "fsdp_bf16"], nproc=2,
-                   timeout=400))
+    check(torchrun(SCRIPT, [str(two), str(exports), "ddp", "fsdp", "fsdp_bf16", "tp"],
+                   nproc=2, timeout=400))
     check(torchrun(SCRIPT, [str(four), str(exports), "hsdp"], nproc=4, timeout=400))
     runs = {**torch.load(two, weights_only=False), **torch.load(four, weights_only=False)}
-    for layout in ("ddp", "fsdp", "hsdp"):
+    for layout in ("ddp", "fsdp", "hsdp", "tp"):
         assert_equal_runs(runs[layout], single, layout)
     # A bfloat16 base with float32 adapters (param_dtype left at float32, so FSDP2 casts
     # nothing): each block's unit holds both dtypes (all-gathered as bytes; only the float32
@@ -131,3 +131,36 @@ def test_the_peft_export_loads_with_peft_from_pretrained(layout: str, exports: P
         tokens = fixed_batch()
         difference = (loaded(input_ids=tokens).logits - trained(input_ids=tokens).logits)
     assert difference.abs().max() <= 1e-5
+
+
+def test_bad_lora_inputs_are_refused_by_name(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from dream_trainer.parallel.lora import init_peft_adapters
+    from tests.helpers.hf import build
+    from tests.helpers.toy import ToyTrainer, toy_config
+
+    # Target modules that match nothing: peft refuses while configure_models runs.
+    with torch.device("meta"), pytest.raises(ValueError, match="not found in the base model"):
+        get_peft_model(build("llama"), LoraConfig(r=4, target_modules=["query"]))
+    # An initialization computed from the base's weights cannot run on the meta device.
+    with torch.device("meta"):
+        model = get_peft_model(build("llama"), LoraConfig(
+            r=4, target_modules=["q_proj"], init_lora_weights="olora"))
+    model.to_empty(device="cpu")
+    with pytest.raises(ValueError) as error:
+        init_peft_adapters(model)
+    assert str(error.value).startswith(
+        "the LoRA adapter 'default' of base_model.model.model.layers.0.self_attn.q_proj is "
+        "initialized with init_lora_weights='olora', which computes it from the base's "
+        "weights: a model built on the meta device has none then.")
+    # A model that is not a peft model has no adapter to export.
+    trainer = ToyTrainer(toy_config(n_samples=16))
+    trainer.fit()
+    with pytest.raises(ValueError) as error:
+        trainer.export_weights(tmp_path / "adapter", format="peft")
+    assert str(error.value) == (
+        "format='peft' writes the LoRA adapters of a peft model, but the model 'model' is a "
+        "Sequential: wrap it with peft.get_peft_model in configure_models, or export "
+        "format='hf'")
+    assert not (tmp_path / "adapter").exists()

@@ -23,7 +23,8 @@ from tests.helpers.hf import HFTrainer, hf_config
 from tests.helpers.launch import save_on_rank_zero
 
 LAYOUTS = {"single": DeviceParameters.SINGLE_DEVICE(), "ddp": DeviceParameters.DDP(),
-           "fsdp": DeviceParameters.FSDP(), "hsdp": DeviceParameters.HSDP(dp_shard=2)}
+           "fsdp": DeviceParameters.FSDP(), "hsdp": DeviceParameters.HSDP(dp_shard=2),
+           "tp": DeviceParameters(tensor_parallel=2, dp_shard=1)}
 DATA_PARALLEL = {"ddp": 2, "fsdp": 2, "hsdp": 4}
 """Data-parallel ranks of each layout; a ``_bf16`` suffix keeps the base in bfloat16 (the
 adapters in float32)."""
@@ -47,6 +48,20 @@ class LoraTrainer(HFTrainer):
         super().configure_models()
         # peft keeps the adapters in float32 on a bfloat16 base (autocast_adapter_dtype).
         self.model = get_peft_model(self.model.to(self.base_dtype), lora_config())
+
+    def apply_tensor_parallel(self, tp_mesh: Any) -> None:
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+
+        from dream_trainer.parallel.lora import lora_tensor_parallel_plan
+
+        # The base's plan (tests/helpers/hf.py), the adapters placed to follow it.
+        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()}
+        for layer in self.model.base_model.model.model.layers:
+            parallelize_module(layer, tp_mesh, lora_tensor_parallel_plan(layer, plan))
 
     def configure_optimizers(self) -> None:
         self.optimizer = torch.optim.SGD(
