@@ -1,6 +1,7 @@
 """LoRA adapters (peft) on a base built on the meta device: peft's initialization, only the
-adapters trained, peft's own numbers, and DDP and FSDP2 equal to one process with the base
-unchanged bit for bit."""
+adapters trained, peft's own numbers; DDP, FSDP2 (float32, and a bfloat16 base with float32
+adapters), HSDP, TP and cp equal to one process with the base unchanged bit for bit; the
+peft export loads with PeftModel.from_pretrained."""
 
 from __future__ import annotations
 
@@ -83,16 +84,16 @@ def assert_equal_runs(run: dict[str, Any], single: dict[str, Any], layout: str) 
         assert (run["final"][name] - value).abs().max() <= TOLERANCE, (layout, name)
 
 
-def test_ddp_fsdp2_hsdp_and_tp_train_what_one_process_trains(tmp_path: Path, exports: Path,
+def test_every_layout_trains_what_one_process_trains(tmp_path: Path, exports: Path,
                                                           single: dict[str, Any]) -> None:
     from tests.scripts.lora_run import run
 
     two, four = tmp_path / "two.pt", tmp_path / "four.pt"
-    check(torchrun(SCRIPT, [str(two), str(exports), "ddp", "fsdp", "fsdp_bf16", "tp"],
+    check(torchrun(SCRIPT, [str(two), str(exports), "ddp", "fsdp", "fsdp_bf16", "tp", "cp"],
                    nproc=2, timeout=400))
     check(torchrun(SCRIPT, [str(four), str(exports), "hsdp"], nproc=4, timeout=400))
     runs = {**torch.load(two, weights_only=False), **torch.load(four, weights_only=False)}
-    for layout in ("ddp", "fsdp", "hsdp", "tp"):
+    for layout in ("ddp", "fsdp", "hsdp", "tp", "cp"):
         assert_equal_runs(runs[layout], single, layout)
     # A bfloat16 base with float32 adapters (param_dtype left at float32, so FSDP2 casts
     # nothing): each block's unit holds both dtypes (all-gathered as bytes; only the float32

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from dream_trainer.configs import DeviceParameters, TrainingParameters
 from dream_trainer.parallel.dtensor import full_value
@@ -24,7 +25,8 @@ from tests.helpers.launch import save_on_rank_zero
 
 LAYOUTS = {"single": DeviceParameters.SINGLE_DEVICE(), "ddp": DeviceParameters.DDP(),
            "fsdp": DeviceParameters.FSDP(), "hsdp": DeviceParameters.HSDP(dp_shard=2),
-           "tp": DeviceParameters(tensor_parallel=2, dp_shard=1)}
+           "tp": DeviceParameters(tensor_parallel=2, dp_shard=1),
+           "cp": DeviceParameters(context_parallel=2, dp_shard=1)}
 DATA_PARALLEL = {"ddp": 2, "fsdp": 2, "hsdp": 4}
 """Data-parallel ranks of each layout; a ``_bf16`` suffix keeps the base in bfloat16 (the
 adapters in float32)."""
@@ -36,6 +38,15 @@ def lora_config() -> Any:
     from peft import LoraConfig
 
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS)
+
+
+IGNORE = -100
+
+
+def summed_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    logits = output.logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                           ignore_index=IGNORE, reduction="sum")
 
 
 class LoraTrainer(HFTrainer):
@@ -62,6 +73,17 @@ class LoraTrainer(HFTrainer):
                 "mlp.down_proj": RowwiseParallel()}
         for layer in self.model.base_model.model.model.layers:
             parallelize_module(layer, tp_mesh, lora_tensor_parallel_plan(layer, plan))
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        # The next-token loss summed outside the model, over the tokens that have a next
+        # one, so that context parallelism can split the sequence (transformers' own loss
+        # shifts inside it): the mean over them is transformers' loss with labels=tokens.
+        (tokens,) = batch
+        targets = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], IGNORE)], 1)
+        loss = self.forward_backward(self.model, tokens, target=targets, loss_fn=summed_loss,
+                                     num_items=int((targets != IGNORE).sum()))
+        self.step(self.model, self.optimizer)
+        return {"loss": loss}
 
     def configure_optimizers(self) -> None:
         self.optimizer = torch.optim.SGD(
