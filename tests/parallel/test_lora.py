@@ -85,7 +85,7 @@ def assert_equal_runs(run: dict[str, Any], single: dict[str, Any], layout: str) 
 
 
 def test_every_layout_trains_what_one_process_trains(tmp_path: Path, exports: Path,
-                                                          single: dict[str, Any]) -> None:
+                                                     single: dict[str, Any]) -> None:
     from tests.scripts.lora_run import run
 
     two, four = tmp_path / "two.pt", tmp_path / "four.pt"
