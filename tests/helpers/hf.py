@@ -89,6 +89,36 @@ def logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def llama_tensor_parallel_plan() -> dict[str, Any]:
+    """A Llama block's tensor-parallel plan. Llama's attention infers its head count from the
+    projection's width, so a column-parallel q/k/v carries this rank's heads and o_proj sums
+    their outputs."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()}
+
+
+def gathered_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight of ``model`` (DDP's wrapped one), whole, on every rank (a pipeline rank
+    holds its stages'; gathered over the ranks)."""
+    import torch.distributed as dist
+
+    from dream_trainer.parallel.dtensor import full_value
+    from dream_trainer.parallel.names import clean_name
+
+    model = getattr(model, "module", model)
+    mine = {clean_name(name): full_value(param).detach().clone()
+            for name, param in model.named_parameters()}
+    if not dist.is_initialized():
+        return mine
+    pieces: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, mine)
+    return {name: value for piece in pieces for name, value in piece.items()}
+
+
 class HFConfig(BaseTrainerConfig, SetupConfigMixin):
     architecture: Architecture = "llama"
     layers: int = 2
@@ -116,17 +146,10 @@ class HFTrainer(BaseTrainer, SetupMixin):
         replace_hf_moe_blocks(self.model)  # nothing to replace in a dense model
 
     def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                       parallelize_module)
+        from torch.distributed.tensor.parallel import parallelize_module
 
-        # Llama's attention infers its head count from the projection's width, so a
-        # column-parallel q/k/v carries this rank's heads and o_proj sums their outputs.
-        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel()}
         for layer in self.model.model.layers:
-            parallelize_module(layer, tp_mesh, plan)
+            parallelize_module(layer, tp_mesh, llama_tensor_parallel_plan())
 
     def configure_optimizers(self) -> None:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=self.config.lr)

@@ -11,16 +11,13 @@ import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from dream_trainer.configs import DeviceParameters, TrainingParameters
 from dream_trainer.data import ShardedStream
 from dream_trainer.data.documents import IGNORE
-from dream_trainer.parallel.dtensor import full_value
-from dream_trainer.parallel.names import clean_name
-from tests.helpers.hf import VOCAB, HFTrainer, hf_config
+from tests.helpers.hf import VOCAB, HFTrainer, gathered_weights, hf_config
 from tests.helpers.launch import save_on_rank_zero
 
 LAYOUTS = {"single": DeviceParameters.SINGLE_DEVICE(), "ddp": DeviceParameters.DDP(),
@@ -84,15 +81,7 @@ class PackedTrainer(HFTrainer):
         self.final = self.full_weights()
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """Every weight of the model, on every rank (a pipeline rank holds its stages')."""
-        model = getattr(self.model, "module", self.model)  # DDP's wrapped model
-        mine = {clean_name(name): full_value(param).detach().clone()
-                for name, param in model.named_parameters()}
-        if not dist.is_initialized():
-            return mine
-        pieces: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(pieces, mine)
-        return {name: value for piece in pieces for name, value in piece.items()}
+        return gathered_weights(self.model)
 
 
 def run(layout: str) -> dict[str, Any]:

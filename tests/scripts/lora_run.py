@@ -14,13 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from dream_trainer.configs import DeviceParameters, TrainingParameters
-from dream_trainer.parallel.dtensor import full_value
 from dream_trainer.parallel.names import clean_name
-from tests.helpers.hf import HFTrainer, hf_config
+from tests.helpers.hf import (HFTrainer, gathered_weights, hf_config,
+                              llama_tensor_parallel_plan)
 from tests.helpers.launch import save_on_rank_zero
 
 LAYOUTS = {"single": DeviceParameters.SINGLE_DEVICE(), "ddp": DeviceParameters.DDP(),
@@ -61,18 +60,14 @@ class LoraTrainer(HFTrainer):
         self.model = get_peft_model(self.model.to(self.base_dtype), lora_config())
 
     def apply_tensor_parallel(self, tp_mesh: Any) -> None:
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                       parallelize_module)
+        from torch.distributed.tensor.parallel import parallelize_module
 
         from dream_trainer.parallel.lora import lora_tensor_parallel_plan
 
-        # The base's plan (tests/helpers/hf.py), the adapters placed to follow it.
-        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel()}
+        # The base's plan, the adapters placed to follow it.
         for layer in self.model.base_model.model.model.layers:
-            parallelize_module(layer, tp_mesh, lora_tensor_parallel_plan(layer, plan))
+            parallelize_module(layer, tp_mesh,
+                               lora_tensor_parallel_plan(layer, llama_tensor_parallel_plan()))
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         # The next-token loss summed outside the model, over the tokens that have a next
@@ -100,15 +95,7 @@ class LoraTrainer(HFTrainer):
             self.export_weights(self.export_dir, format="peft")
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """Every weight, whole, on every rank."""
-        model = getattr(self.model, "module", self.model)  # DDP's wrapped model
-        mine = {clean_name(name): full_value(param).detach().clone()
-                for name, param in model.named_parameters()}
-        if not dist.is_initialized():
-            return mine
-        pieces: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(pieces, mine)
-        return {name: value for piece in pieces for name, value in piece.items()}
+        return gathered_weights(self.model)
 
 
 def run(layout: str, export_root: str | None = None) -> dict[str, Any]:
