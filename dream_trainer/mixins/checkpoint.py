@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from pydantic import Field
 
-from dream_trainer.checkpoint.agreement import (check_shapes, commit, config_changes, failures,
+from dream_trainer.checkpoint.agreement import (check_shapes, commit, config_changes, load_failure,
                                                 find_problem, gather, saved_config, take_lock)
 from dream_trainer.checkpoint.directory import (CONFIG, INFO, METADATA, CheckpointError,
                                                 CheckpointInfo, complete_checkpoints, is_complete,
@@ -440,10 +440,10 @@ class CheckpointMixin(AbstractTrainer):
                         process_group=self._checkpoint_group)
         except CheckpointError:
             raise
-        # DCP gathers every rank's failure into a CheckpointException, a BaseException.
+        # DCP gathers every rank's failure into a CheckpointException, a BaseException; the
+        # reader's own refusal (a truncated or altered file) keeps its message.
         except (Exception, CheckpointException) as exc:
-            raise CheckpointError(f"failed to load checkpoint {path}: "
-                                  f"{failures(exc)}") from exc
+            raise load_failure(exc, f"failed to load checkpoint {path}") from exc
         if weights_only:
             logger.info("loaded model weights from %s", path)
             return

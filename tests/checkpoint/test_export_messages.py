@@ -48,3 +48,19 @@ def test_a_weight_stored_with_another_shape_is_named(clean: Path, tmp_path: Path
            f"metadata reads from it (offsets (0, 0), sizes {declared})" in message
     assert str(checkpoint) in message
     assert not any(path.is_file() for path in out.rglob("*"))  # nothing half-written
+
+
+def test_a_resume_names_the_weight_stored_with_another_shape(clean: Path,
+                                                            tmp_path: Path) -> None:
+    from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config
+
+    checkpoint = tmp_path / "step_10"
+    shutil.copytree(clean, checkpoint)
+    key, stored, declared = _reshape_weight(checkpoint)
+    trainer = CheckpointedTrainer(checkpointed_config(tmp_path / "run", resume=checkpoint))
+    with pytest.raises(CheckpointError) as error:
+        trainer.fit()
+    # The reader's own refusal, as export and init_weights_from give it, not DCP's wrapper.
+    assert str(error.value).startswith(
+        f"checkpoint {checkpoint} (item {key}) holds a tensor of size {stored}, which does "
+        f"not hold the part the metadata reads from it (offsets (0, 0), sizes {declared})")
