@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import operator
 import os
 import pickle
@@ -17,9 +16,10 @@ import pytest
 import torch
 
 from dream_trainer.checkpoint import CheckpointError
-from dream_trainer.checkpoint.directory import INFO, METADATA, checksum
+from dream_trainer.checkpoint.directory import METADATA
 from dream_trainer.cli import main
 from tests.helpers.checkpointing import CheckpointedTrainer, checkpointed_config
+from tests.helpers.crafted import rechecksum as rewrite_checksums
 
 ITEM = "state.trainer.global_step"  # a non-tensor item every checkpoint has, read on resume
 
@@ -44,19 +44,10 @@ class _Disguised:
         return operator.getitem, ((_Payload(self.marker), self.value), 1)
 
 
-def _rechecksum(checkpoint: Path, only: str | None = None) -> None:
-    """Update dream_trainer.json's checksums (of every file, or ``only`` that one) as an
-    attacker would, so that only the decoder stands between the file and the payload."""
-    info = json.loads((checkpoint / INFO).read_text())
-    info["files"] = {name: checksum(checkpoint / name) if only in (None, name) else digest
-                     for name, digest in info["files"].items()}
-    (checkpoint / INFO).write_text(json.dumps(info))
-
-
 def poison_metadata(checkpoint: Path, marker: Path) -> None:
     metadata = pickle.loads((checkpoint / METADATA).read_bytes())  # our own file: trusted
     (checkpoint / METADATA).write_bytes(pickle.dumps(_Disguised(marker, metadata)))
-    _rechecksum(checkpoint)
+    rewrite_checksums(checkpoint)
 
 
 def poison_item(checkpoint: Path, marker: Path, fqn: str = ITEM) -> None:
@@ -89,7 +80,7 @@ def replace_item(checkpoint: Path, fqn: str, craft: Any, rechecksum: str | None 
     metadata.storage_data[index] = dataclasses.replace(info, length=len(blob))
     (checkpoint / METADATA).write_bytes(pickle.dumps(metadata))
     if rechecksum is not None:
-        _rechecksum(checkpoint, None if rechecksum == "all" else rechecksum)
+        rewrite_checksums(checkpoint, None if rechecksum == "all" else rechecksum)
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +225,7 @@ def build_on_path_class(checkpoint: Path, target: Path, rechecksum: bool = True)
               + len(state).to_bytes(4, "little") + state + b"s\x86b0")
     (checkpoint / METADATA).write_bytes(prefix + (checkpoint / METADATA).read_bytes())
     if rechecksum:
-        _rechecksum(checkpoint)
+        rewrite_checksums(checkpoint)
 
 
 def test_build_on_an_allowed_class_is_refused_everywhere_and_deletes_nothing(

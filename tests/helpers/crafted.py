@@ -63,10 +63,13 @@ def measure_reads(inputs: Mapping[str, tuple[Craft, tuple[str, ...], Any]], clea
     return {**measured, "warm": measured[warm]["peak"]}
 
 
-def rechecksum(checkpoint: Path) -> None:
-    """Recompute every checksum recorded in ``dream_trainer.json``, as an attacker would."""
+def rechecksum(checkpoint: Path, only: str | None = None) -> None:
+    """Recompute the checksums recorded in ``dream_trainer.json`` (of every file, or of
+    ``only`` that one) as an attacker would, so that only the decoder stands between the
+    file and its payload."""
     info = json.loads((checkpoint / INFO).read_text())
-    info["files"] = {name: checksum(checkpoint / name) for name in info["files"]}
+    info["files"] = {name: checksum(checkpoint / name) if only in (None, name) else digest
+                     for name, digest in info["files"].items()}
     (checkpoint / INFO).write_text(json.dumps(info))
 
 
