@@ -168,3 +168,26 @@ class HFTrainer(BaseTrainer, SetupMixin):
 
     def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         return {}
+
+
+def summed_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of a causal LM's logits (a pipeline's last stage returns them bare)
+    against already-shifted targets, summed over the tokens not ignored (-100)."""
+    import torch.nn.functional as F
+
+    logits = getattr(output, "logits", output)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
+                           reduction="sum")
+
+
+class RecordingHFTrainer(HFTrainer):
+    """``HFTrainer`` that keeps every weight, whole, after setup (``initial``) and at the end
+    of ``fit()`` (``final``), on every rank."""
+
+    def post_setup(self) -> None:
+        super().post_setup()
+        self.initial = gathered_weights(self.model)
+
+    def post_fit(self) -> None:
+        super().post_fit()
+        self.final = gathered_weights(self.model)

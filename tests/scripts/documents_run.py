@@ -11,13 +11,12 @@ import sys
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from dream_trainer.configs import DeviceParameters, TrainingParameters
 from dream_trainer.data import ShardedStream
 from dream_trainer.data.documents import IGNORE
-from tests.helpers.hf import VOCAB, HFTrainer, gathered_weights, hf_config
+from tests.helpers.hf import VOCAB, RecordingHFTrainer, hf_config, summed_loss
 from tests.helpers.launch import save_on_rank_zero
 
 LAYOUTS = {"single": DeviceParameters.SINGLE_DEVICE(), "ddp": DeviceParameters.DDP(),
@@ -47,13 +46,7 @@ def second_half(item: dict[str, list[int]]) -> list[int]:
     return [IGNORE] * (len(ids) // 2) + ids[len(ids) // 2:]
 
 
-def summed_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
-    logits = getattr(output, "logits", output)  # a pipeline's last stage returns the logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                           ignore_index=IGNORE, reduction="sum")
-
-
-class PackedTrainer(HFTrainer):
+class PackedTrainer(RecordingHFTrainer):
     def configure_dataloaders(self) -> tuple[Any, None]:
         stream = ShardedStream(documents(), shuffle=False, sequence_length=SEQUENCE,
                                documents=True, labels=second_half)
@@ -71,17 +64,6 @@ class PackedTrainer(HFTrainer):
                                          num_items=trained)
         self.step(self.model, self.optimizer)
         return {"loss": loss}
-
-    def post_setup(self) -> None:
-        super().post_setup()
-        self.initial = self.full_weights()
-
-    def post_fit(self) -> None:
-        super().post_fit()
-        self.final = self.full_weights()
-
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        return gathered_weights(self.model)
 
 
 def run(layout: str) -> dict[str, Any]:

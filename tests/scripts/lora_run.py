@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from dream_trainer.configs import DeviceParameters, TrainingParameters
 from dream_trainer.parallel.names import clean_name
-from tests.helpers.hf import (HFTrainer, gathered_weights, hf_config,
-                              llama_tensor_parallel_plan)
+from tests.helpers.hf import (RecordingHFTrainer, hf_config, llama_tensor_parallel_plan,
+                              summed_loss)
 from tests.helpers.launch import save_on_rank_zero
 
 LAYOUTS = {"single": DeviceParameters.SINGLE_DEVICE(), "ddp": DeviceParameters.DDP(),
@@ -39,16 +38,10 @@ def lora_config() -> Any:
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS)
 
 
-IGNORE = -100
+IGNORE = -100  # the targets the loss ignores
 
 
-def summed_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
-    logits = output.logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                           ignore_index=IGNORE, reduction="sum")
-
-
-class LoraTrainer(HFTrainer):
+class LoraTrainer(RecordingHFTrainer):
     base_dtype = torch.float32
     export_dir: Path | None = None
 
@@ -84,18 +77,10 @@ class LoraTrainer(HFTrainer):
         self.optimizer = torch.optim.SGD(
             [p for p in self.model.parameters() if p.requires_grad], lr=self.config.lr)
 
-    def post_setup(self) -> None:
-        super().post_setup()
-        self.initial = self.full_weights()
-
     def post_fit(self) -> None:
         super().post_fit()
-        self.final = self.full_weights()
         if self.export_dir is not None:
             self.export_weights(self.export_dir, format="peft")
-
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        return gathered_weights(self.model)
 
 
 def run(layout: str, export_root: str | None = None) -> dict[str, Any]:
