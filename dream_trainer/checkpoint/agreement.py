@@ -174,6 +174,26 @@ MAX_CHANGES_SHOWN = 50
 _MAX_VALUE_CHARS = 200  # of each value shown: a changed list of a million items is cut
 
 
+def saved_config_or_none(path: Location) -> dict[str, Any] | None:
+    """The checkpoint's config for the log of changes, or None (logged) when
+    ``config.json`` is damaged: not fatal, since the state it describes is checksummed and
+    loads whole."""
+    try:
+        return saved_config(path)
+    except CheckpointError as exc:
+        logger.warning("not comparing the config with the checkpoint's: %s", exc)
+        return None
+
+
+def log_config_changes(saved: dict[str, Any] | None, current_json: str) -> None:
+    """Log how the config (``current_json``) differs from the checkpoint's ``saved``."""
+    if saved is None:
+        return
+    changes = config_changes(saved, current_json)
+    if changes:
+        logger.warning("the config differs from the checkpoint's:\n  %s", "\n  ".join(changes))
+
+
 def config_changes(saved: dict[str, Any], current_json: str) -> list[str]:
     """``key: saved -> current`` for every value of the config ``current_json`` that differs
     from ``saved`` (see ``saved_config``), in the order of the keys; beyond

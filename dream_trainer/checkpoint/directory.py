@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 METADATA = ".metadata"
 INFO = "dream_trainer.json"
 CONFIG = "config.json"
+RECORD = "models.json"
+"""What a checkpoint records of its models beside their state: the sources of the frozen
+weights it leaves out, the adapters' configs (``checkpoint.frozen``)."""
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _WRITER = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's file names: __<rank>_<index>.distcp
 _CHUNK = 1 << 22
@@ -155,11 +158,11 @@ def checksum(file: Location) -> str:
 
 
 def written_files(path: Location) -> list[str]:
-    """The files a save just wrote in ``path``: DCP's data files, ``.metadata`` and the
-    config. Listed rather than read from ``.metadata``, whose decoding costs seconds for a
+    """The files a save just wrote in ``path``: DCP's data files, ``.metadata``, the
+    config and the models' record. Listed rather than read from ``.metadata``, whose decoding costs seconds for a
     checkpoint of many ranks."""
     return sorted(name for name, is_dir in storage_for(path).list_dir(path)
-                  if not is_dir and (_WRITER.match(name) or name in (METADATA, CONFIG)))
+                  if not is_dir and (_WRITER.match(name) or name in (METADATA, CONFIG, RECORD)))
 
 
 def checksum_share(names: Any, rank: int, world_size: int) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dream_trainer.checkpoint.directory import INFO, METADATA, is_complete
 from dream_trainer.checkpoint.storage import location, storage_for
@@ -19,6 +20,9 @@ from dream_trainer.checkpoint.storage_base import Location, ObjectPath
 from dream_trainer.errors import CheckpointError
 from dream_trainer.world.agree import gather_objects
 from dream_trainer.world.world import DistributedWorld
+
+if TYPE_CHECKING:
+    from dream_trainer.checkpoint.pretrained import Sources
 
 _PROBE = ".dream_trainer_write_check"
 """The name stem of the empty object the check writes and deletes under ``root_dir``."""
@@ -43,16 +47,16 @@ def check_checkpoint_storage(checkpoint_dir: Location, resume: str | Path | None
     _raise_agreed(problem, world)
 
 
-def check_weights_sources(sources: str | Path | Mapping[str, str | Path],
-                          world: DistributedWorld) -> None:
+def check_weights_sources(sources: Sources, world: DistributedWorld) -> None:
     """Check that every ``init_weights_from`` source at an object-store URL can be read and
     exists (collective; local sources are checked when they are read, naming the file).
 
     Raises:
         CheckpointError: on every rank, naming the source, the problem and the fix.
     """
-    paths = [location(source) for source in
-             (sources.values() if isinstance(sources, Mapping) else [sources])]
+    each = sources.values() if isinstance(sources, Mapping) else [sources]
+    paths = [location(path) for item in each
+             for path in ([item] if isinstance(item, (str, Path)) else item)]
     urls = [path for path in paths if isinstance(path, ObjectPath)]
     if not urls:
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,9 @@ from dream_trainer.checkpoint.storage import location, storage_for
 from dream_trainer.checkpoint.storage_base import Location, below
 from dream_trainer.checkpoint.trust import safe_reader
 from dream_trainer.nn.hf_moe import StackedKey
+from dream_trainer.parallel.state_dict import model_state_dict
 from dream_trainer.utils.paths import component_problem
-from dream_trainer.weights.hf import (DEFAULT_MAX_SHARD_BYTES, ExportFormat, KeyMap,
+from dream_trainer.weights.hf import (DEFAULT_MAX_SHARD_BYTES, ExportFormat, KeyMap, StateOf,
                                       check_out_dir, export_live, export_paths,
                                       exported_state, is_weight_file, plan_shards,
                                       replace_file, replace_weights, shard_file_names,
@@ -96,6 +98,7 @@ def export_checkpoint(checkpoint: str | Path | Location, out_dir: str | Path | L
         reader = safe_reader(checkpoint)
         metadata = reader.read_metadata()
         verify_files(checkpoint, metadata)
+        _refuse_left_out(checkpoint)
     models = model_tensors(metadata)
     if not models:
         raise CheckpointError(f"{checkpoint} holds no model weights")
@@ -114,11 +117,28 @@ def export_checkpoint(checkpoint: str | Path | Location, out_dir: str | Path | L
                          several=len(models) > 1, rules=rules)
 
 
+def _refuse_left_out(checkpoint: Location) -> None:
+    """A checkpoint that left frozen weights out (``checkpoint.frozen``) holds no whole
+    model to write."""
+    from dream_trainer.checkpoint.models_record import read_record
+
+    frozen, _ = read_record(checkpoint)
+    for model, source in frozen.items():
+        raise CheckpointError(
+            f"{checkpoint} leaves out the {len(source.keys)} frozen weights of model "
+            f"{model!r} (they are read from {source.describe()}): an export of it would lack "
+            "them. Export its adapter with --format peft, merge it from a run with "
+            "export_weights(path, format='hf', merge_adapters=True), or checkpoint with "
+            "save_frozen_weights=True")
+
+
 def export_models(models: Mapping[str, nn.Module], path: str | Path | Location,
                   format: ExportFormat, map_key: KeyMap | None, dtype: torch.dtype | None,
-                  max_shard_bytes: int, overwrite: bool = False) -> dict[str, Location]:
+                  max_shard_bytes: int, overwrite: bool = False,
+                  merge_adapters: bool = False) -> dict[str, Location]:
     """Write every model's weights from a running trainer (collective); see
-    ``SetupMixin.export_weights`` for the layout.
+    ``SetupMixin.export_weights`` for the layout. ``merge_adapters`` writes each peft
+    model's base with its LoRA adapter merged (``weights.peft_merge.merged_state``).
 
     A local ``path`` is written as ``weights.hf.export_live`` does (the ranks share the
     filesystem). To an object store, the ranks save their slices under ``path`` as a DCP
@@ -132,15 +152,22 @@ def export_models(models: Mapping[str, nn.Module], path: str | Path | Location,
         FileExistsError: on every rank, if ``path`` is not empty and ``overwrite`` is False.
         CheckpointError: on every rank, naming the URL and the fix, if the store cannot be
             written.
-        ValueError: for an unknown format, or two keys mapped to the same name.
+        ValueError: for an unknown format, or two keys mapped to the same name; with
+            ``merge_adapters``, for what ``weights.peft_merge.merged_models`` refuses.
     """
     import torch.distributed.checkpoint as dcp
 
+    state_of: StateOf = model_state_dict
+    if merge_adapters:
+        from dream_trainer.weights.peft_merge import merged_models, merged_state
+
+        models = merged_models(models, format)  # each peft model's base, its LoRA in place
+        state_of = partial(merged_state, dtype=dtype)
     target = location(path)
     storage = storage_for(target)
     if isinstance(target, Path):
         return dict(export_live(models, target, format, map_key, dtype, max_shard_bytes,
-                                storage, overwrite))
+                                storage, overwrite, state_of))
     if format not in ("hf", "safetensors"):
         raise ValueError(f"format={format!r}: expected 'hf' (Hugging Face layout) or "
                          "'safetensors' (one file per model, the trainer's keys)")
@@ -154,7 +181,8 @@ def export_models(models: Mapping[str, nn.Module], path: str | Path | Location,
     _on_rank_zero(target, prepare)
     # The models' own keys, tied copies dropped: rank 0 renames and casts as it joins them.
     state = {f"{MODEL_PREFIX}{name}.{key}": tensor for name, model in models.items()
-             for key, tensor in exported_state(name, model, None, None).items()}
+             for key, tensor in exported_state(name, model, None, None, None,
+                                               state_of).items()}
     barrier()
     try:
         with warnings.catch_warnings():
@@ -212,7 +240,7 @@ def _write_models(reader: Any, models: dict[str, dict[str, Any]], out_dir: Locat
             # never followed.
             with Staging(local, model) as staging:
                 if format == "safetensors":
-                    _write_file(reader, model, {name: Part(name) for name in tensors},
+                    write_file(reader, model, {name: Part(name) for name in tensors},
                                 tensors, dtype, staging, target.name)
                     replace_file(staging, target.name, target)
                 else:
@@ -266,13 +294,13 @@ def _write_hf(reader: Any, model: str, tensors: dict[str, Any], dtype: torch.dty
              for key, part in parts.items()}
     shards = plan_shards(sizes, max_shard_bytes)
     for keys, file_name in zip(shards, shard_file_names(len(shards))):
-        _write_file(reader, model, {key: parts[key] for key in keys}, tensors, dtype,
+        write_file(reader, model, {key: parts[key] for key in keys}, tensors, dtype,
                     staging, file_name)
     if len(shards) > 1:
         write_index(staging, shards, sizes)
 
 
-def _write_file(reader: Any, model: str, keys: dict[str, Part], tensors: dict[str, Any],
+def write_file(reader: Any, model: str, keys: dict[str, Part], tensors: dict[str, Any],
                 dtype: torch.dtype | None, staging: Staging, name: str) -> None:
     """Read the tensors ``keys`` takes parts of (exported key -> part) and save the parts
     as the new file ``name`` of ``staging``."""

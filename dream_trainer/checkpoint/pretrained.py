@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,6 +39,8 @@ from dream_trainer.parallel.state_dict import (load_model_state_dict, model_stat
                                                renames_keys, state_keys)
 from dream_trainer.weights.hf import KeyMap, check_hf_dir, is_hf_dir, tied_groups
 from dream_trainer.weights.keys import TransformedKey, mapped_name
+from dream_trainer.weights.peft_sources import (check_adapter_config, is_adapter_dir,
+                                                is_adapter_key, peft_key_map)
 from dream_trainer.weights.stacked import (Box, local_box, model_rules, stacked_boxes,
                                            transposed_box)
 from dream_trainer.world.agree import agree_any, gather_objects, is_launched, is_rank_zero
@@ -46,6 +48,9 @@ from dream_trainer.world.agree import agree_any, gather_objects, is_launched, is
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Sources = str | Path | Sequence[str | Path] | Mapping[str, str | Path | Sequence[str | Path]]
+"""What ``init_weights_from`` may be: a directory, a list of directories for one model, or
+``{model name: either}``."""
 
 _SHOWN = 20  # keys listed per kind in an error; the rest are counted
 
@@ -57,6 +62,7 @@ class _Source:
     path: Location
     reader: Any
     tensors: dict[str, tuple[str, tuple[int, ...]]]
+    adapter: bool = False  # a peft adapter folder
 
 
 @dataclass
@@ -78,18 +84,21 @@ class _Fit:
     # The whole state dict of a model whose hooks rename keys: its tensors may be copies
     # (a fused weight's parts), which reach the parameters through its load hooks.
     hooked: dict[str, torch.Tensor] | None = None
+    claimed: set[str] = field(default_factory=set)  # the model keys the source sets
 
 
-def resolve_sources(init_weights_from: str | Path | Mapping[str, str | Path],
-                    models: Mapping[str, nn.Module]) -> dict[str, Location]:
-    """Model name -> directory (or URL) to load it from.
+def resolve_sources(init_weights_from: Sources,
+                    models: Mapping[str, nn.Module]) -> dict[str, list[Location]]:
+    """Model name -> the directories (or URLs) to load it from, in order.
 
     A single Hugging Face directory goes to the one model that has a state; a single
-    dream_trainer checkpoint to every such model (each reads its namesake in it).
+    dream_trainer checkpoint to every such model (each reads its namesake in it). A list
+    (a peft model's base directory, then an adapter folder) goes to one model as a single
+    directory does; each of its directories sets the keys it holds.
 
     Raises:
         ValueError: for a mapping naming an unknown model, or one Hugging Face directory
-            for several models.
+            (or a list) for several models.
     """
     if isinstance(init_weights_from, Mapping):
         unknown = sorted(set(init_weights_from) - set(models))
@@ -97,14 +106,21 @@ def resolve_sources(init_weights_from: str | Path | Mapping[str, str | Path],
             raise ValueError(f"init_weights_from names {', '.join(map(repr, unknown))}, which "
                              f"configure_models did not create; the models are "
                              f"{', '.join(map(repr, models))}")
-        return {name: location(path) for name, path in init_weights_from.items()}
-    path = location(init_weights_from)
+        return {name: _locations(paths) for name, paths in init_weights_from.items()}
+    paths = _locations(init_weights_from)
     stateful = [name for name, model in models.items() if model.state_dict()]
-    if len(stateful) > 1 and _read(path, lambda: is_hf_dir(path, storage_for(path))):
-        raise ValueError(f"init_weights_from={str(path)!r} is one Hugging Face directory but "
-                         f"the trainer has several models ({', '.join(stateful)}): map each "
-                         "model to its own directory, e.g. {'model': '/path/to/weights'}")
-    return {name: path for name in stateful}
+    if len(stateful) > 1 and (len(paths) > 1 or _read(
+            paths[0], lambda: is_hf_dir(paths[0], storage_for(paths[0])))):
+        shown = [str(path) for path in paths]
+        raise ValueError(f"init_weights_from={shown[0] if len(shown) == 1 else shown!r} names "
+                         f"the weights of one model but the trainer has several models "
+                         f"({', '.join(stateful)}): map each model to its own directory, e.g. "
+                         "{'model': '/path/to/weights'}")
+    return {name: paths for name in stateful}
+
+
+def _locations(paths: str | Path | Sequence[str | Path]) -> list[Location]:
+    return [location(path) for path in ([paths] if isinstance(paths, (str, Path)) else paths)]
 
 
 class PretrainedWeights:
@@ -119,8 +135,10 @@ class PretrainedWeights:
 
     Args:
         models: The trainer's models by name.
-        init_weights_from: One directory, or ``{model name: directory}`` (local paths or
-            URLs such as ``s3://bucket/prefix``).
+        init_weights_from: One directory, a list read in order into one model (a peft
+            model's base, then an adapter folder), or ``{model name: either}`` (local paths
+            or URLs such as ``s3://bucket/prefix``). A peft model reads a base's files under
+            its own keys (``weights.peft_sources``).
         map_key: ``(model name, file key) -> model key``, a ``TransformedKey``, or None to
             skip the key.
         strict: Refuse missing and unexpected keys instead of warning about them.
@@ -133,13 +151,21 @@ class PretrainedWeights:
     """
 
     def __init__(self, models: Mapping[str, nn.Module],
-                 init_weights_from: str | Path | Mapping[str, str | Path], map_key: KeyMap,
-                 strict: bool) -> None:
+                 init_weights_from: Sources, map_key: KeyMap, strict: bool) -> None:
         self.models = models
         self.map_key = map_key
         self.strict = strict
-        self.sources = {name: _read(path, lambda path=path, name=name: _open(path, name))
-                        for name, path in resolve_sources(init_weights_from, models).items()}
+        self.sources = {name: [_read(path, lambda path=path, name=name: _open(path, name))
+                               for path in paths]
+                        for name, paths in resolve_sources(init_weights_from, models).items()}
+        for name, source in ((name, source) for name, sources in self.sources.items()
+                             for source in sources if source.adapter):
+            check_adapter_config(source.path, storage_for(source.path), models[name])
+        self.loaded: dict[str, set[str]] = {}  # after load: each model's keys the files set
+
+    def paths(self, model_name: str) -> list[Location]:
+        """Where ``model_name``'s weights come from, in the order they are read."""
+        return [source.path for source in self.sources.get(model_name, [])]
 
     def use_models(self, models: Mapping[str, nn.Module]) -> None:
         """Load into ``models`` instead: a pipeline plans the load on the whole model and
@@ -148,13 +174,13 @@ class PretrainedWeights:
 
     def names(self, model_name: str) -> set[str]:
         """The model keys that the files of ``model_name`` will set (if they fit)."""
-        source = self.sources.get(model_name)
-        if source is None:
-            return set()
         model = self.models[model_name]
         owners = _owners(model_rules(model))
-        keys = {owners.get(key, (key, 0))[0] for file_key in source.tensors
-                if (key := mapped_name(self.map_key(model_name, file_key))) is not None}
+        keys = set()
+        for source in self.sources.get(model_name, []):
+            map_key = peft_key_map(state_keys(model), self.map_key, source.adapter)
+            keys |= {owners.get(key, (key, 0))[0] for file_key in source.tensors
+                     if (key := mapped_name(map_key(model_name, file_key))) is not None}
         if renames_keys(model):
             # A parameter whose name a hook replaced cannot be set by a file key of that name.
             keys &= state_keys(model)
@@ -174,48 +200,16 @@ class PretrainedWeights:
                 either side, all listed in one message; or if an expected parameter was not
                 set (it would train on NaN).
         """
-        from torch.distributed.checkpoint import load
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from dream_trainer.weights.hf_reader import BoxPlanner
-
         filled: set[int] = set()
-        for name, source in self.sources.items():
-            fit = _agree(_match(name, self.models[name], source, self.map_key))
-            path = source.path
-            if fit.mismatched:
-                raise CheckpointError(f"init_weights_from={str(path)!r} does not fit model "
-                                      f"{name!r}: shapes differ for {_listing(fit.mismatched)}")
-            if fit.missing or fit.unexpected:
-                report = _report(name, path, fit)
-                if self.strict:
-                    raise CheckpointError(
-                        f"{report}. Rename keys in map_pretrained_key (return None to skip "
-                        "one), or set init_weights_strict=False to load the rest and keep "
-                        "init_weights() values for the missing keys")
-                if is_rank_zero():
-                    logger.warning("%s; init_weights_strict=False: the missing keys keep "
-                                   "their init_weights() values", report)
-            try:
-                with warnings.catch_warnings():
-                    # One process is a valid case here; DCP warns that it assumes so.
-                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                    load(fit.targets, storage_reader=source.reader,
-                         planner=BoxPlanner(fit.boxes))
-            except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-                raise load_failure(exc, f"failed to load {path} into model {name!r}") from exc
-            with torch.no_grad():
-                for whole, transform, target in fit.transformed:
-                    _fill(target, transform.model_tensor(whole))
-                for copy, loaded in fit.copies:
-                    local_tensor(copy).copy_(local_tensor(loaded))
-            if fit.hooked is not None and fit.targets:
-                _load_through_hooks(name, self.models[name], fit.hooked)
-            logger.info("loaded %d tensors of model %s from %s",
-                        len(fit.targets) + len(fit.boxes), name, path)
-            filled |= {local_tensor(tensor).data_ptr()
-                       for tensor in [*fit.targets.values(), *fit.stacked]}
-            fit.transformed.clear()  # the whole file tensors go now, not with the plan
+        for name, sources in self.sources.items():
+            fits = [_agree(_match(name, self.models[name], source,
+                                  peft_key_map(state_keys(self.models[name]),
+                                               self.map_key, source.adapter)))
+                    for source in sources]
+            _missing_from_all(fits)
+            for source, fit in zip(sources, fits):
+                filled |= self._load_source(name, source, fit)
+            self.loaded[name] = set().union(*(fit.claimed for fit in fits))
         unfilled = [tuple(tensor.shape) for tensor in map(local_tensor, expected)
                     if tensor.numel() and tensor.data_ptr() not in filled]
         if agree_any(bool(unfilled), device):
@@ -223,6 +217,60 @@ class PretrainedWeights:
                 "init_weights_from did not set parameters that were left for it (shapes "
                 f"{unfilled[:5] or 'on another rank'}): their state-dict names differ from "
                 "their parameter names; set init_weights_strict=True to see the keys")
+
+    def _load_source(self, name: str, source: _Source, fit: _Fit) -> set[int]:
+        """Read one source into model ``name`` as ``fit`` plans; return the addresses of the
+        local tensors it set."""
+        from torch.distributed.checkpoint import load
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from dream_trainer.weights.hf_reader import BoxPlanner
+
+        path = source.path
+        if fit.mismatched:
+            raise CheckpointError(f"init_weights_from={str(path)!r} does not fit model "
+                                  f"{name!r}: shapes differ for {_listing(fit.mismatched)}")
+        if fit.missing or fit.unexpected:
+            report = _report(name, path, fit)
+            if self.strict:
+                raise CheckpointError(
+                    f"{report}. Rename keys in map_pretrained_key (return None to skip "
+                    "one), or set init_weights_strict=False to load the rest and keep "
+                    "init_weights() values for the missing keys")
+            if is_rank_zero():
+                logger.warning("%s; init_weights_strict=False: the missing keys keep "
+                               "their init_weights() values", report)
+        try:
+            with warnings.catch_warnings():
+                # One process is a valid case here; DCP warns that it assumes so.
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                load(fit.targets, storage_reader=source.reader, planner=BoxPlanner(fit.boxes))
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            raise load_failure(exc, f"failed to load {path} into model {name!r}") from exc
+        with torch.no_grad():
+            for whole, transform, target in fit.transformed:
+                _fill(target, transform.model_tensor(whole))
+            for copy, loaded in fit.copies:
+                local_tensor(copy).copy_(local_tensor(loaded))
+        if fit.hooked is not None and fit.targets:
+            _load_through_hooks(name, self.models[name], fit.hooked)
+        logger.info("loaded %d tensors of model %s from %s",
+                    len(fit.targets) + len(fit.boxes), name, path)
+        fit.transformed.clear()  # the whole file tensors go now, not with the plan
+        return {local_tensor(tensor).data_ptr()
+                for tensor in [*fit.targets.values(), *fit.stacked]}
+
+
+def _missing_from_all(fits: list[_Fit]) -> None:
+    """Keep as missing only what no source of the model sets, and never a LoRA adapter that
+    a base's files lack (peft initializes it)."""
+    claimed = set().union(*(fit.claimed for fit in fits))
+    for fit in fits:
+        fit.missing = [entry for entry in fit.missing
+                       if (key := entry.split(" ", 1)[0]) not in claimed
+                       and not is_adapter_key(key)]
+    for fit in fits[1:]:  # listed once
+        fit.missing = [entry for entry in fit.missing if entry not in fits[0].missing]
 
 
 def _load_through_hooks(name: str, model: nn.Module, state: dict[str, Any]) -> None:
@@ -255,18 +303,21 @@ def _open(path: Location, model_name: str) -> _Source:
     from dream_trainer.weights.hf_reader import SliceReader
 
     storage = storage_for(path)
-    if is_hf_dir(path, storage):
-        check_hf_dir(path, storage)
+    adapter = is_adapter_dir(path, storage)
+    if adapter or is_hf_dir(path, storage):
+        if not adapter:
+            check_hf_dir(path, storage)
         reader = SliceReader(path, storage)
         metadata = reader.read_metadata()
         tensors = {key: (key, tuple(entry.size))
                    for key, entry in metadata.state_dict_metadata.items()}
-        return _Source(path, reader, tensors)
+        return _Source(path, reader, tensors, adapter=adapter)
     if not is_complete(path):
         raise CheckpointError(
             f"init_weights_from={str(path)!r} is neither a Hugging Face weights directory "
-            "(model.safetensors, or shards with model.safetensors.index.json) nor a complete "
-            "dream_trainer checkpoint (a step_<N> directory with .metadata)"
+            "(model.safetensors, or shards with model.safetensors.index.json), a peft "
+            "adapter folder (adapter_model.safetensors and adapter_config.json) nor a "
+            "complete dream_trainer checkpoint (a step_<N> directory with .metadata)"
             + ("" if _exists(path) else ": it does not exist"))
     reader = safe_reader(path)
     metadata = reader.read_metadata()
@@ -361,6 +412,7 @@ def _match(name: str, model: nn.Module, source: _Source, map_key: KeyMap) -> _Fi
         fit.stacked.append(state[key])
     fit.missing = [f"{key} {tuple(tensor.shape)}{_absent(rules.get(key), found.get(key))}"
                    for key, tensor in state.items() if key not in claimed]
+    fit.claimed = set(claimed)
     return fit
 
 

@@ -167,6 +167,8 @@ class TrainingState:
         source: The checkpoint loaded from, named when one of its values is refused.
         trusted: Globals its packed values may unpickle besides the allowlist (see
             ``checkpoint.trust``).
+        left_out: ``{model name: state keys}`` neither saved nor loaded: frozen weights
+            that a resume reads from their source again (``checkpoint.frozen``).
 
     Attributes:
         loaded_rng: After loading, this rank's saved random generator states: those the rank
@@ -178,8 +180,10 @@ class TrainingState:
     def __init__(self, trainer: AbstractTrainer, weights_only: bool = False,
                  saved: Mapping[str, Any] | None = None,
                  flat_optimizers: bool | None = None, source: str = "",
-                 trusted: Iterable[str] = ()) -> None:
+                 trusted: Iterable[str] = (),
+                 left_out: Mapping[str, Iterable[str]] | None = None) -> None:
         self.trainer = trainer
+        self.left_out = {name: set(keys) for name, keys in (left_out or {}).items()}
         self.source = source
         self.trusted = tuple(trusted)
         self.weights_only = weights_only
@@ -201,8 +205,10 @@ class TrainingState:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         trainer = self.trainer
-        state: dict[str, Any] = {"models": {name: model_state_dict(model)
-                                            for name, model in trainer.named_models().items()}}
+        state: dict[str, Any] = {"models": {
+            name: {key: value for key, value in model_state_dict(model).items()
+                   if key not in self.left_out.get(name, ())}
+            for name, model in trainer.named_models().items()}}
         if self.weights_only:
             return state
         options = self._options()
@@ -267,7 +273,8 @@ class TrainingState:
 
         trainer = self.trainer
         for name, model in trainer.named_models().items():
-            load_model_state_dict(model, state_dict["models"][name])
+            load_model_state_dict(model, state_dict["models"][name],
+                                  strict=not self.left_out.get(name))
         if self.weights_only:
             return
         options = self._options()

@@ -28,6 +28,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                     "keys, for a plain nn.Module. --format hf: the Hugging Face layout "
                     "(model.safetensors, or shards and model.safetensors.index.json) in "
                     "out_dir, or in out_dir/<model>/ for a checkpoint of several models. "
+                    "--format peft: a peft model's LoRA adapter (adapter_model.safetensors, "
+                    "adapter_config.json), which needs no base weights in the checkpoint. "
                     "Everything is written inside out_dir, which must be empty unless "
                     "--overwrite is given. Either may be an object-store URL "
                     "(s3://bucket/prefix; credentials and endpoint from the AWS_* "
@@ -40,8 +42,11 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true",
                         help="export into a non-empty out_dir: the weight files of an earlier "
                              "export there are replaced, other files kept")
-    parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
-                        help="one file per model (default) or the Hugging Face layout")
+    parser.add_argument("--format", choices=("safetensors", "hf", "peft"),
+                        default="safetensors",
+                        help="one file per model (default), the Hugging Face layout, or a "
+                             "peft model's LoRA adapter (adapter_model.safetensors and "
+                             "adapter_config.json, as PeftModel.from_pretrained loads it)")
     parser.add_argument("--dtype", choices=tuple(DTYPES),
                         help="cast floating tensors (default: as saved)")
     parser.add_argument("--max-shard-size", type=byte_size, default=None, metavar="SIZE",
@@ -105,11 +110,18 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             print(f"error: --trainer {args.trainer}: {type(trainer).__name__} has no "
                   "map_exported_key (it is not a SetupMixin trainer)", file=sys.stderr)
             return 1
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     try:
+        if args.format == "peft":
+            from dream_trainer.checkpoint.adapter_export import export_checkpoint_adapters
+
+            written = export_checkpoint_adapters(args.checkpoint, args.out_dir, dtype,
+                                                 args.overwrite)
+            return _printed(written)
         model_type = _model_type(args.config_from) if args.config_from is not None else None
         written = export_checkpoint(
             args.checkpoint, args.out_dir, format=args.format,
-            dtype=getattr(torch, DTYPES[args.dtype]) if args.dtype else None, map_key=map_key,
+            dtype=dtype, map_key=map_key,
             max_shard_bytes=args.max_shard_size or DEFAULT_MAX_SHARD_BYTES,
             overwrite=args.overwrite, model_type=model_type)
         for path in written.values():
@@ -118,6 +130,12 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"error: {printable(exc, keep=chr(10))}", file=sys.stderr)
         return 1
+    return _printed(written)
+
+
+def _printed(written: dict[str, Any]) -> int:
+    from dream_trainer.utils.text import printable
+
     for model, path in written.items():
         # A model's name comes from the checkpoint's metadata: escaped, it cannot drive
         # the terminal.

@@ -15,9 +15,12 @@ _GLOBAL_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 
 def url_or_path(value: object) -> object:
     """A URL (``s3://bucket/prefix``) stays a string, which ``Path`` would corrupt (it folds
-    ``//``); any other string is a local path; a mapping's values are converted alike."""
+    ``//``); any other string is a local path; a mapping's values and a list's items are
+    converted alike."""
     if isinstance(value, dict):
         return {key: url_or_path(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [url_or_path(item) for item in value]
     if isinstance(value, str) and "://" not in value and value != "latest":
         return Path(value)
     return value
@@ -58,6 +61,11 @@ class CheckpointParameters(ConfigModel):
     load_weights_only: bool = False
     """With ``resume`` set to a path, load only the model weights (fine-tuning from another
     run): optimizers, schedulers, counters and data position start fresh."""
+    save_frozen_weights: bool = False
+    """Keep frozen weights that ``init_weights_from`` set (a LoRA base, a reference model) in
+    every checkpoint. ``False`` leaves them out: the checkpoint records their source and a
+    checksum of its files (``models.json``), and a resume reads them from there again,
+    refusing a source whose files changed."""
     async_save: bool = False
     """Write periodic checkpoints in the background (the final one is always synchronous)."""
     preemption_poll_seconds: NonNegativeFloat = 1.0

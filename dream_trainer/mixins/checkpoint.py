@@ -13,12 +13,14 @@ import torch
 import torch.distributed as dist
 from pydantic import Field
 
-from dream_trainer.checkpoint.agreement import (check_shapes, commit, config_changes, load_failure,
-                                                find_problem, gather, saved_config, take_lock)
+from dream_trainer.checkpoint.agreement import (check_shapes, commit, find_problem, gather,
+                                                load_failure, log_config_changes,
+                                                saved_config_or_none, take_lock)
 from dream_trainer.checkpoint.directory import (CONFIG, INFO, METADATA, CheckpointError,
                                                 CheckpointInfo, complete_checkpoints, is_complete,
                                                 step_dir, step_dirs)
 from dream_trainer.checkpoint.early_checks import check_checkpoint_storage
+from dream_trainer.checkpoint.frozen import FrozenWeights
 from dream_trainer.checkpoint.resume_report import ResumePosition
 from dream_trainer.checkpoint.retention import rotate
 from dream_trainer.checkpoint.rng import resized_streams, set_rng_state
@@ -86,6 +88,7 @@ class CheckpointMixin(AbstractTrainer):
         self._preemption = PreemptionFlag()
         self._preemption_agreement = PreemptionAgreement(self._preemption)
         self._lock: RunLockLike | None = None
+        self._frozen: FrozenWeights | None = None
 
     @property
     def checkpoint_parameters(self) -> CheckpointParameters:
@@ -230,6 +233,7 @@ class CheckpointMixin(AbstractTrainer):
         if self._last_saved_step == self.global_step:
             return path
         self._refuse_non_finite()
+        frozen = self._frozen_weights
         info = CheckpointInfo(path, self.global_step, self.current_epoch, self._monitor_value())
         if asynchronous is None:
             asynchronous = self.checkpoint_parameters.async_save
@@ -241,9 +245,10 @@ class CheckpointMixin(AbstractTrainer):
                 storage.make_dir(path)
                 storage.write_bytes(path / CONFIG,
                                     self.config.model_dump_json(indent=2).encode())
+                frozen.write(path)
             self._barrier()
             self._check_shared_state()
-            state = {"state": TrainingState(self)}
+            state = {"state": TrainingState(self, left_out=frozen.left_out())}
             if asynchronous:
                 future = _dcp().async_save(state, checkpoint_id=str(path),
                                            storage_writer=storage.writer(path),
@@ -257,6 +262,13 @@ class CheckpointMixin(AbstractTrainer):
         self._last_saved_step = self.global_step
         return path
 
+    @property
+    def _frozen_weights(self) -> FrozenWeights:
+        """What the checkpoints leave out, found (collectively) at the first save or load."""
+        if self._frozen is None:
+            self._frozen = FrozenWeights.of(self)
+        return self._frozen
+
     def _check_shared_state(self) -> None:
         """``extra_state_dict()`` is saved once: it must be the same on every rank."""
         if self.world.world_size == 1:
@@ -267,9 +279,10 @@ class CheckpointMixin(AbstractTrainer):
 
     def _refuse_non_finite(self) -> None:
         """A checkpoint of NaN/inf weights would poison every resume: refuse to write it."""
+        # Frozen weights are skipped: no step changes them (a LoRA base is most of the model).
         bad = [f"{name}.{param_name}" for name, model in self.named_models().items()
                for param_name, param in model.named_parameters()
-               if not bool(torch.isfinite(local_tensor(param)).all())]
+               if param.requires_grad and not bool(torch.isfinite(local_tensor(param)).all())]
         if agree_any(bool(bad), self.world.device):
             raise CheckpointError(
                 f"not saving step {self.global_step}: the model has non-finite values"
@@ -416,7 +429,8 @@ class CheckpointMixin(AbstractTrainer):
         from torch.distributed.checkpoint.api import CheckpointException
 
         # Read before the state, so that a damaged config.json is reported before a long load.
-        config = self._saved_config(path) if not weights_only else None
+        config = saved_config_or_none(path) \
+            if not weights_only and self.world.is_rank_zero else None
         trusted = self.checkpoint_parameters.trusted_globals
         reader = safe_reader(str(path), trusted)
         metadata = reader.read_metadata()
@@ -433,7 +447,8 @@ class CheckpointMixin(AbstractTrainer):
                      for key in saved)
         flat = not nested and any(key.startswith("state.optimizers.") for key in saved)
         state = TrainingState(self, weights_only=weights_only, saved=saved, flat_optimizers=flat,
-                              source=str(path), trusted=trusted)
+                              source=str(path), trusted=trusted,
+                              left_out=self._frozen_weights.resume(path))
         check_shapes(path, state.state_dict()["models"], metadata)
         try:
             _dcp().load({"state": state}, storage_reader=reader,
@@ -455,7 +470,7 @@ class CheckpointMixin(AbstractTrainer):
         self._pending_rng = state.loaded_rng
         self._rng_mid_epoch = state.resumed_mid_epoch
         self._last_saved_step = self.global_step
-        self._log_config_diff(config)
+        log_config_changes(config, self.config.model_dump_json())
         if self.world.is_rank_zero:
             params = self.config.training_parameters  # type: ignore[attr-defined]
             ResumePosition(path, self.global_step, self.current_epoch, self._start_batch,
@@ -466,28 +481,6 @@ class CheckpointMixin(AbstractTrainer):
         assert self._pending_rng is not None
         set_rng_state(self._pending_rng)
         self._pending_rng = None
-
-    def _saved_config(self, path: Location) -> dict[str, Any] | None:
-        """The checkpoint's config on rank 0 (which logs the changes), else None.
-
-        It only serves the log of changes: a damaged ``config.json`` is reported, not fatal
-        (the state it would describe is checksummed and loads whole).
-        """
-        if not self.world.is_rank_zero:
-            return None
-        try:
-            return saved_config(path)
-        except CheckpointError as exc:
-            logger.warning("not comparing the config with the checkpoint's: %s", exc)
-            return None
-
-    def _log_config_diff(self, saved: dict[str, Any] | None) -> None:
-        if saved is None:
-            return
-        changes = config_changes(saved, self.config.model_dump_json())
-        if changes:
-            logger.warning("the config differs from the checkpoint's:\n  %s",
-                           "\n  ".join(changes))
 
 
 def _dcp() -> ModuleType:

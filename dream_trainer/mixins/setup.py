@@ -44,12 +44,16 @@ class SetupConfigMixin(ConfigModel):
     (the parallelism settings live in ``DeviceParameters``)."""
 
     # Left to right: a URL string stays one (JSON would otherwise pick Path, folding "//").
-    init_weights_from: str | Path | dict[str, str | Path] | None = Field(
+    init_weights_from: (str | Path | list[str | Path]
+                        | dict[str, str | Path | list[str | Path]] | None) = Field(
         None, union_mode="left_to_right")
     """Pretrained weights loaded after ``init_weights()``: a Hugging Face weights directory
-    (``model.safetensors``, or shards with ``model.safetensors.index.json``) or a
-    dream_trainer checkpoint (``step_<N>``), local or at an object-store URL
-    (``s3://bucket/prefix``); ``{model attribute: path}`` for several models."""
+    (``model.safetensors``, or shards with ``model.safetensors.index.json``), a
+    dream_trainer checkpoint (``step_<N>``) or a peft adapter folder
+    (``adapter_model.safetensors``), local or at an object-store URL
+    (``s3://bucket/prefix``); a list of them read in order into one model (a peft model's
+    base directory, then an adapter folder to continue); ``{model attribute: either}`` for
+    several models."""
     init_weights_strict: bool = True
     """Refuse a load in which model keys are missing from the files or file keys are left
     over (one error lists both); False warns and keeps ``init_weights()`` values."""
@@ -102,6 +106,7 @@ class SetupMixin(ParallelizeModels):
         self._unnamed_optimizers: dict[str, torch.optim.Optimizer] = {}
         self._train_loader: Iterable[Any] | None = None
         self._val_loader: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None
+        self._weights_plan: PretrainedWeights | None = None
 
     # -- user hooks ------------------------------------------------------------------------
     @abstractmethod
@@ -153,7 +158,8 @@ class SetupMixin(ParallelizeModels):
     def export_weights(self, path: str | Path, format: ExportFormat = "hf",
                        dtype: torch.dtype | None = None,
                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                       overwrite: bool = False) -> dict[str, Path | ObjectPath]:
+                       overwrite: bool = False,
+                       merge_adapters: bool = False) -> dict[str, Path | ObjectPath]:
         """Write the models' current weights, consolidated, from any parallel layout.
 
         Collective: every rank calls it; each writes its own slices and rank 0 joins them
@@ -164,8 +170,10 @@ class SetupMixin(ParallelizeModels):
         directory ``path/<model>``. ``"safetensors"`` writes ``path/<model>.safetensors``
         with the trainer's keys. ``"peft"`` writes a peft model's LoRA adapter as
         ``PeftModel.from_pretrained`` loads it (``adapter_model.safetensors`` and
-        ``adapter_config.json``; a local ``path``). Tied parameters are written once, under
-        their first key.
+        ``adapter_config.json``; a local ``path``). ``"hf"`` with ``merge_adapters`` writes a
+        peft model's base instead, each LoRA layer's weight merged (``W + scaling * B @ A``)
+        under the base's keys, adapters dropped: what ``from_pretrained`` loads as the trained
+        model. Tied parameters are written once, under their first key.
 
         Args:
             path: The output directory (created if needed) or URL; it must be empty unless
@@ -175,6 +183,8 @@ class SetupMixin(ParallelizeModels):
             max_shard_bytes: Largest shard of an ``"hf"`` export.
             overwrite: Export into a non-empty ``path`` (an earlier export's, say): its old
                 weight files are replaced once the new ones are written, other files kept.
+            merge_adapters: With ``"hf"``, merge every model's LoRA adapter (peft) into its
+                base's weights; the sum is rounded once, to ``dtype`` or the base weight's.
 
         Returns:
             The written directory (``"hf"``) or file of each model, by model name.
@@ -182,7 +192,11 @@ class SetupMixin(ParallelizeModels):
         Raises:
             ValueError: for an unknown format, or two keys mapped to the same name; for
                 ``"peft"``, a model that is not a peft model (or holds several adapters), or
-                an object-store ``path``.
+                an object-store ``path``; for ``merge_adapters``, a format other than
+                ``"hf"``, a model that is not a peft model (or holds several adapters), an
+                adapter that is not plain LoRA (DoRA, ``lora_bias``, ``modules_to_save``,
+                ``target_parameters``, ...), or a LoRA layer on something other than a
+                linear layer's untied weight.
             FileExistsError: on every rank, if ``path`` is not empty and ``overwrite`` is
                 False.
             RuntimeError: when called by several ranks outside ``fit()``, whose process
@@ -196,10 +210,10 @@ class SetupMixin(ParallelizeModels):
                 f"{self.world.world_size}-rank run is gone: call it during fit(), for example "
                 "from post_fit(), or export a checkpoint with `dream-trainer export`")
 
-        if format == "peft":
+        if format == "peft" and not merge_adapters:
             return self._export_adapters(path, dtype, overwrite)
         return export_models(self.named_models(), path, format, self.map_exported_key,
-                             dtype, max_shard_bytes, overwrite)
+                             dtype, max_shard_bytes, overwrite, merge_adapters)
 
     def _export_adapters(self, path: str | Path, dtype: torch.dtype | None,
                          overwrite: bool) -> dict[str, Path | ObjectPath]:
@@ -295,8 +309,11 @@ class SetupMixin(ParallelizeModels):
             return None
         from dream_trainer.checkpoint.pretrained import PretrainedWeights
 
-        return PretrainedWeights(self.named_models(), source, self.map_pretrained_key,
-                                 strict=getattr(self.config, "init_weights_strict", True))
+        # Kept: the checkpoints leave out the frozen weights it sets (checkpoint.frozen).
+        self._weights_plan = PretrainedWeights(
+            self.named_models(), source, self.map_pretrained_key,
+            strict=getattr(self.config, "init_weights_strict", True))
+        return self._weights_plan
 
     def _setup_optimizers(self) -> None:
         before = dict(vars(self))

@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dream_trainer.nn.moe import moe_layers
+from dream_trainer.nn.moe import GroupedExperts, moe_layers
 from dream_trainer.world.agree import agree_any
 from dream_trainer.world.dims import MeshAxis
 from dream_trainer.world.world import DistributedWorld
@@ -22,7 +22,8 @@ def distribute_experts(model: nn.Module, ep_mesh: DeviceMesh) -> int:
     before materialization. Returns how many layers it split.
 
     Raises:
-        ValueError: if a layer's ``num_experts`` is not a multiple of the mesh size.
+        ValueError: if a layer's ``num_experts`` is not a multiple of the mesh size, or its
+            experts are wrapped (peft's LoRA on them), naming the layer.
     """
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -34,6 +35,14 @@ def distribute_experts(model: nn.Module, ep_mesh: DeviceMesh) -> int:
             raise ValueError(f"MoE layer {name!r} has num_experts={layer.num_experts}, which "
                              f"expert_parallel={ranks} does not divide: each rank must hold "
                              "the same number of experts; change one of them")
+        if not isinstance(layer.experts, GroupedExperts):
+            # peft's target_parameters wraps them (ParamWrapper): their weights move out of
+            # reach and its adapter spans every expert, so the split would be silently wrong.
+            raise ValueError(
+                f"MoE layer {name!r} holds its experts in a {type(layer.experts).__name__} "
+                "(peft's target_parameters puts LoRA on them so): expert parallelism splits "
+                "GroupedExperts' stacked weights only; leave the experts out of the LoRA "
+                "config (adapt the attention projections), or set expert_parallel=1")
         for weight_name, weight in list(layer.experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(weight.data, ep_mesh, [Shard(0)])
             setattr(layer.experts, weight_name,

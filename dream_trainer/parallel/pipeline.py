@@ -281,6 +281,10 @@ class PipelineStages(nn.Module):
         import torch.distributed as dist
 
         for copies, process_group in self._tied_copies:
+            if not any(param.requires_grad for param in copies):
+                # Frozen (a LoRA base's tied embedding): nothing to share, and no gradient is
+                # made for it. Every stage is split from one model, so all ranks skip alike.
+                continue
             grads = [_local(param.grad) if param.grad is not None
                      else torch.zeros_like(_local(param)) for param in copies]
             total = grads[0].clone()

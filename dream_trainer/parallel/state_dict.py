@@ -43,18 +43,28 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
     return {clean_name(key): value for key, value in unwrap_ddp(model).state_dict().items()}
 
 
-def load_model_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
+def load_model_state_dict(model: nn.Module, state: dict[str, Any], strict: bool = True) -> None:
     """Load ``state`` (keyed as ``model_state_dict`` keys it) into ``model``, every key
-    required.
+    required unless not ``strict`` (the keys ``state`` lacks keep their values).
 
     Raises:
         RuntimeError: from ``load_state_dict`` when keys are missing or unexpected.
     """
     if not renames_keys(model):
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             set_model_state_dict)
 
-        set_model_state_dict(model, state)
+        set_model_state_dict(model, state, options=StateDictOptions(strict=strict))
         return
     inner = unwrap_ddp(model)
     keys = {clean_name(key): key for key in inner.state_dict(keep_vars=True)}
-    inner.load_state_dict({keys.get(name, name): value for name, value in state.items()})
+    inner.load_state_dict({keys.get(name, name): value for name, value in state.items()},
+                          strict=strict)
+
+
+def frozen_keys(model: nn.Module) -> set[str]:
+    """The state keys of ``model``'s parameters that do not require gradients (every name of
+    a tied one), wrapper segments removed."""
+    return {clean_name(name) for name, param
+            in unwrap_ddp(model).named_parameters(remove_duplicate=False)
+            if not param.requires_grad}

@@ -23,7 +23,7 @@ import os
 import shutil
 import stat
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, Literal, Protocol
 
@@ -53,6 +53,10 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 """Shard size of an export unless asked otherwise: 5 GiB, transformers 4's default."""
 
 ExportFormat = Literal["hf", "safetensors", "peft"]
+
+StateOf = Callable[[nn.Module], Mapping[str, Any]]
+"""What an export writes of a model: its state dict (``model_state_dict``), or another view
+of it keyed as that model's state dict would be (``weights.peft_merge.merged_state``)."""
 
 
 class Files(Protocol):
@@ -179,10 +183,12 @@ def tied_groups(model: nn.Module) -> dict[str, int]:
 
 def exported_state(name: str, model: nn.Module, map_key: KeyMap | None,
                    dtype: torch.dtype | None,
-                   rules: Mapping[str, StackedKey] | None = None) -> dict[str, torch.Tensor]:
-    """The model's tensors as they are exported: sharded as the model is, tied copies
-    dropped (the first key of each tied group is kept), split as ``rules`` say (each rank
-    contributes the slices of a stacked tensor it holds), keys mapped, floats cast.
+                   rules: Mapping[str, StackedKey] | None = None,
+                   state_of: StateOf = model_state_dict) -> dict[str, torch.Tensor]:
+    """The model's tensors (``state_of(model)``) as they are exported: sharded as the model
+    is, tied copies dropped (the first key of each tied group is kept), split as ``rules``
+    say (each rank contributes the slices of a stacked tensor it holds), keys mapped,
+    floats cast.
 
     Raises:
         ValueError: if two keys map to the same exported key, or a stacked tensor is sharded
@@ -191,7 +197,7 @@ def exported_state(name: str, model: nn.Module, map_key: KeyMap | None,
     groups = tied_groups(model)
     seen_groups: set[int] = set()
     tensors: dict[str, torch.Tensor] = {}
-    for key, tensor in model_state_dict(model).items():
+    for key, tensor in state_of(model).items():
         if not isinstance(tensor, torch.Tensor):
             continue
         group = groups.get(key)
@@ -226,10 +232,11 @@ def _transformed(tensor: torch.Tensor, transform: TransformedKey) -> torch.Tenso
 
 def export_live(models: Mapping[str, nn.Module], path: Path, format: ExportFormat,
                 map_key: KeyMap | None, dtype: torch.dtype | None, max_shard_bytes: int,
-                files: Files, overwrite: bool = False) -> dict[str, Path]:
+                files: Files, overwrite: bool = False,
+                state_of: StateOf = model_state_dict) -> dict[str, Path]:
     """Write every model's weights from a running trainer (collective) to the directory
     ``path`` of a filesystem the ranks share (``files``); see ``SetupMixin.export_weights``
-    for the layout.
+    for the layout. ``state_of(model)`` gives what is written of each model.
 
     Returns:
         What was written for each model: its Hugging Face directory, or its file.
@@ -247,7 +254,7 @@ def export_live(models: Mapping[str, nn.Module], path: Path, format: ExportForma
     for name, model in models.items():
         hf = format == "hf"
         state = exported_state(name, model, map_key if hf else None, dtype,
-                               model_rules(model) if hf else None)
+                               model_rules(model) if hf else None, state_of)
         target = export_paths(path, name, format, several=len(models) > 1,
                               make_room=is_rank_zero())
         if format == "hf":

@@ -1,5 +1,5 @@
 """``export_weights(format="peft")``: a peft model's LoRA adapters as ``PeftModel.from_pretrained``
-loads them, from a running trainer of any data-parallel layout.
+loads them, from a running trainer of any layout (a pipeline's stages gathered on rank 0).
 
 The directory holds ``adapter_model.safetensors`` (the adapters, whole, under peft's keys: the
 parameter names without the adapter's name, as ``get_peft_model_state_dict`` gives them) and
@@ -9,9 +9,7 @@ are recognized by their package and their config writes itself (``to_dict``).
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,16 +20,15 @@ from torch import nn
 from dream_trainer.parallel.dtensor import full_value
 from dream_trainer.parallel.lora import is_peft_model
 from dream_trainer.parallel.names import clean_name, unwrap_ddp
+from dream_trainer.parallel.pipeline import PipelineStages, unwrap_stage
 from dream_trainer.weights.hf import Files, check_out_dir_on_rank_zero, replace_weights
+from dream_trainer.weights.peft_sources import (ADAPTER_CONFIG, ADAPTER_PART, ADAPTER_WEIGHTS,
+                                                config_json)
 from dream_trainer.weights.staging import Staging
-from dream_trainer.world.agree import barrier, is_rank_zero
+from dream_trainer.world.agree import barrier, is_distributed, is_rank_zero
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-_ADAPTER_PARTS = re.compile(r"\.(lora_[A-Za-z_]+)\.([^.]+)(?=\.|$)")
-"""``...q_proj.lora_A.<adapter>.weight``: the adapter's name after a LoRA part's."""
 
 
 def export_adapters(models: Mapping[str, nn.Module], path: Path, dtype: torch.dtype | None,
@@ -43,25 +40,27 @@ def export_adapters(models: Mapping[str, nn.Module], path: Path, dtype: torch.dt
         The directory written for each model.
 
     Raises:
-        ValueError: on every rank, for a model that is not a peft model, one with several
-            adapters, or a pipeline's stages.
+        ValueError: on every rank, for a model that is not a peft model or one with several
+            adapters.
         FileExistsError: on every rank, if ``path`` is not empty and ``overwrite`` is False.
     """
     roots = {name: unwrap_ddp(model) for name, model in models.items()}
     for name, root in roots.items():
-        _check(name, root)
+        _check(name, _peft_model(root))
     check_out_dir_on_rank_zero(path, overwrite, files)
     written = {}
     for name, root in roots.items():
-        (adapter, config), = root.peft_config.items()
+        (adapter, config), = _peft_model(root).peft_config.items()
         tensors = adapter_tensors(root, adapter, dtype)  # collective under FSDP2
+        if isinstance(root, PipelineStages):
+            tensors = _on_rank_zero(tensors)
         target = path if len(roots) == 1 else path / name
         if is_rank_zero():
             staging = Staging(path, name)
             try:
                 with staging:  # emptied and removed if writing fails
                     staging.save_tensors(ADAPTER_WEIGHTS, tensors, {"format": "pt"})
-                    staging.write(ADAPTER_CONFIG, _config_json(config))
+                    staging.write(ADAPTER_CONFIG, config_json(config.to_dict()))
                     replace_weights(staging, target)
             finally:
                 staging.close()
@@ -77,7 +76,7 @@ def adapter_tensors(model: nn.Module, adapter: str,
     tensors = {}
     for name, param in model.named_parameters():
         key = clean_name(name)
-        match = _ADAPTER_PARTS.search(key)
+        match = ADAPTER_PART.search(key)
         if match is None or match.group(2) != adapter:
             continue
         value = full_value(param.detach())
@@ -85,6 +84,24 @@ def adapter_tensors(model: nn.Module, adapter: str,
             value = value.to(dtype)
         tensors[key[:match.start(2) - 1] + key[match.end(2):]] = value.contiguous().cpu()
     return tensors
+
+
+def _peft_model(root: nn.Module) -> nn.Module:
+    """The peft model of ``root``: itself, or for a pipeline its first stage held here (each
+    stage of a peft model is a peft model with the same config, holding part of it)."""
+    return unwrap_stage(root.stages[0]) if isinstance(root, PipelineStages) else root
+
+
+def _on_rank_zero(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The union of every rank's ``tensors`` on rank 0 (empty elsewhere; collective): a
+    pipeline rank holds its stages' adapters only."""
+    import torch.distributed as dist
+
+    if not is_distributed():
+        return tensors
+    pieces: list[Any] = [None] * dist.get_world_size() if is_rank_zero() else []
+    dist.gather_object(tensors, pieces if is_rank_zero() else None, dst=0)
+    return {key: value for piece in pieces for key, value in piece.items()}
 
 
 def _check(name: str, root: nn.Module) -> None:
@@ -96,15 +113,3 @@ def _check(name: str, root: nn.Module) -> None:
         raise ValueError(f"format='peft' writes one adapter, but the model {name!r} holds "
                          f"{sorted(root.peft_config)}: delete the others "
                          "(model.delete_adapter) before exporting")
-
-
-def _config_json(config: Any) -> bytes:
-    """The adapter's config as peft's ``save_pretrained`` writes it (sets as lists)."""
-    values = config.to_dict()
-
-    def plain(value: Any) -> Any:
-        if isinstance(value, set):
-            return sorted(value)
-        raise TypeError(f"{type(value).__name__} in the adapter config is not JSON")
-
-    return json.dumps(values, indent=2, sort_keys=True, default=plain).encode()

@@ -180,3 +180,14 @@ def from_every_rank(world_size: int, value: Any) -> list[Any]:
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def assert_same_weights(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Two snapshots (``{name: tensor or value}``) hold the same keys, tensors equal bit for
+    bit and other values equal."""
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(actual[name], value), name
+        else:
+            assert actual[name] == value, name

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from tests.helpers.launch import REPO, check, child_env, torchrun
+from tests.helpers.checkpointing import assert_same_weights as assert_same
+from tests.helpers.launch import REPO, check, run_script, torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -25,17 +24,7 @@ def ep2(*args: str | Path) -> subprocess.CompletedProcess[str]:
 
 
 def one_process(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], env=child_env(),
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-
-
-def assert_same(actual: dict[str, Any], expected: dict[str, Any]) -> None:
-    assert actual.keys() == expected.keys()
-    for name, value in expected.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(actual[name], value), name
-        else:
-            assert actual[name] == value, name
+    return run_script(SCRIPT, 1, *args, timeout=300)
 
 
 def test_ep2_resumes_bit_exact_and_across_expert_parallel_degrees(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """LoRA adapters (peft) on a base built on the meta device: peft's initialization, only the
 adapters trained, peft's own numbers; DDP, FSDP2 (float32, and a bfloat16 base with float32
-adapters), HSDP, TP and cp equal to one process with the base unchanged bit for bit; the
-peft export loads with PeftModel.from_pretrained."""
+adapters), HSDP, TP, cp and pp (also with the head tied to the embedding across the stages)
+equal to one process with the base unchanged bit for bit; the peft export loads with
+PeftModel.from_pretrained."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ SCRIPT = REPO / "tests/scripts/lora_run.py"
 # SGD steps of one computation with the batch mean taken in another order (the data-parallel
 # average): adapters of scale ~0.1 agree to float32 rounding.
 TOLERANCE = 1e-6
+TIED = ("base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight")
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +74,47 @@ def test_the_fine_tune_is_peft_s_own_trained_by_hand(single: dict[str, Any]) -> 
         assert (hand[name].detach() - value).abs().max() <= TOLERANCE, name
 
 
+def test_a_peft_model_splits_into_stages_of_itself() -> None:
+    import copy
+
+    from peft import PromptTuningConfig, get_peft_model
+
+    from dream_trainer.parallel.hf_pipeline import is_hf_decoder, split_pipeline
+    from tests.helpers.hf import build, fixed_batch
+    from tests.scripts.lora_run import lora_config
+
+    torch.manual_seed(0)
+    model = get_peft_model(build("llama", layers=4), lora_config()).eval()
+    with torch.no_grad():  # B away from zero, so that the adapters change the logits
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_()
+    assert is_hf_decoder(model)
+    stages = split_pipeline(copy.deepcopy(model), [0, 1], 2)
+    with torch.no_grad():
+        expected = model(input_ids=fixed_batch()).logits
+        carried = stages[1](stages[0](fixed_batch()))
+    # The same kernels on the same values, layer after layer: bit-identical.
+    assert torch.equal(carried, expected)
+    # Every parameter on one stage under peft's name, each layer's adapters with it.
+    held = [{name for name, _ in stage.named_parameters()} for stage in stages]
+    assert sorted(held[0] | held[1]) == sorted(name for name, _ in model.named_parameters())
+    assert not held[0] & held[1]
+    assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.default.weight" in held[0]
+    assert "base_model.model.model.layers.2.self_attn.q_proj.lora_A.default.weight" in held[1]
+    # Prompt tuning adds its tokens in PeftModel.forward, which no stage runs.
+    prompted = get_peft_model(build("llama"), PromptTuningConfig(task_type="CAUSAL_LM",
+                                                                 num_virtual_tokens=2))
+    with pytest.raises(ValueError, match=r"^the peft adapters \['default'\] of "
+                       "PeftModelForCausalLM learn prompt tokens"):
+        split_pipeline(prompted, [0, 1], 2)
+
+
 def assert_equal_runs(run: dict[str, Any], single: dict[str, Any], layout: str) -> None:
     """The same initial weights, the base unchanged, the adapters within the tolerance."""
     assert run["steps"] == single["steps"] == 3, layout
     assert run["trainable"] == single["trainable"], layout
+    assert run["frozen_with_gradients"] == [], layout  # the frozen base gets no gradient
     for name, value in single["initial"].items():
         assert torch.equal(run["initial"][name], value), (layout, name)
         if name not in single["trainable"]:
@@ -89,12 +128,21 @@ def test_every_layout_trains_what_one_process_trains(tmp_path: Path, exports: Pa
     from tests.scripts.lora_run import run
 
     two, four = tmp_path / "two.pt", tmp_path / "four.pt"
-    check(torchrun(SCRIPT, [str(two), str(exports), "ddp", "fsdp", "fsdp_bf16", "tp", "cp"],
-                   nproc=2, timeout=400))
+    check(torchrun(SCRIPT, [str(two), str(exports), "ddp", "fsdp", "fsdp_bf16", "tp", "cp",
+                            "pp", "pp_tied"], nproc=2, timeout=400))
     check(torchrun(SCRIPT, [str(four), str(exports), "hsdp"], nproc=4, timeout=400))
     runs = {**torch.load(two, weights_only=False), **torch.load(four, weights_only=False)}
-    for layout in ("ddp", "fsdp", "hsdp", "tp", "cp"):
+    for layout in ("ddp", "fsdp", "hsdp", "tp", "cp", "pp"):
         assert_equal_runs(runs[layout], single, layout)
+    # The head tied to the embedding, adapters on the attention only, under pp=2: the first
+    # stage holds the embedding, the last the head, each a copy of the one frozen weight.
+    single_tied = run("single_tied")
+    assert len(single_tied["trainable"]) == 2 * 4 * 2
+    assert TIED[1] not in single_tied["final"]  # one process: one parameter, one name
+    assert_equal_runs(runs["pp_tied"], single_tied, "pp_tied")
+    final = runs["pp_tied"]["final"]
+    assert torch.equal(final[TIED[1]], final[TIED[0]])
+    assert torch.equal(final[TIED[0]], single_tied["initial"][TIED[0]])
     # A bfloat16 base with float32 adapters (param_dtype left at float32, so FSDP2 casts
     # nothing): each block's unit holds both dtypes (all-gathered as bytes; only the float32
     # adapters have gradients to reduce) and trains what one process trains.
@@ -106,10 +154,11 @@ def test_every_layout_trains_what_one_process_trains(tmp_path: Path, exports: Pa
     assert_equal_runs(runs["fsdp_bf16"], single_bf16, "fsdp_bf16")
 
 
-@pytest.mark.parametrize("layout", ["single", "fsdp"])
+@pytest.mark.parametrize("layout", ["single", "fsdp", "pp"])
 def test_the_peft_export_loads_with_peft_from_pretrained(layout: str, exports: Path,
                                                          single: dict[str, Any]) -> None:
-    # The fsdp export is written by the launch of the test above (module order).
+    # The fsdp and pp exports are written by the launch of the test above (module order);
+    # the pp one gathers each stage's adapters.
     from peft import PeftModel, get_peft_model
 
     from tests.helpers.hf import build, fixed_batch
