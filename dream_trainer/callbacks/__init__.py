@@ -10,6 +10,7 @@ from dream_trainer.callbacks.media_logger import MediaLogger
 from dream_trainer.callbacks.nan_guard import NanGuard
 from dream_trainer.callbacks.profiler import Profiler
 from dream_trainer.callbacks.progress_bar import ProgressBar
+from dream_trainer.callbacks.reference_log_probs import ReferenceLogProbs
 from dream_trainer.callbacks.summaries import ModelSummary, TrainerSummary
 from dream_trainer.callbacks.throughput import Throughput
 from dream_trainer.trainer.callback import Callback, RankZeroCallback
@@ -19,4 +20,4 @@ from dream_trainer.trainer.hooks import HOOK_NAMES, TrainerHooks
 __all__ = ["EMA", "HOOK_NAMES", "Callback", "CallbackCollection", "EarlyStopping",
            "GarbageCollection", "HangWatchdog", "Histograms", "LRMonitor", "MediaLogger",
            "ModelSummary", "NanGuard", "Profiler", "ProgressBar", "RankZeroCallback",
-           "Throughput", "TrainerHooks", "TrainerSummary"]
+           "ReferenceLogProbs", "Throughput", "TrainerHooks", "TrainerSummary"]

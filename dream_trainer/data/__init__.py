@@ -1,8 +1,10 @@
 """Data: splitting loaders across data-parallel ranks, resuming them, moving batches, and
-rendering conversations for fine-tuning."""
+rendering conversations and preference pairs for fine-tuning."""
 
 from dream_trainer.data.chat import ChatDataset
+from dream_trainer.data.preference import PreferenceDataset
 from dream_trainer.data.samplers import ResumableSampler, ValidationBatches
 from dream_trainer.data.sharded import ShardedStream
 
-__all__ = ["ChatDataset", "ResumableSampler", "ShardedStream", "ValidationBatches"]
+__all__ = ["ChatDataset", "PreferenceDataset", "ResumableSampler", "ShardedStream",
+           "ValidationBatches"]

@@ -12,8 +12,6 @@ differently once later turns follow is refused instead of mislabelled.
 
 from __future__ import annotations
 
-import array
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,6 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dream_trainer.data.documents import IGNORE
+from dream_trainer.data.jsonl import JsonLines
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -186,13 +185,10 @@ class ChatDataset(Dataset[dict[str, list[int]]]):
         self.template_kwargs = dict(template_kwargs or {})
         self.path: Path | None = None
         self.source: Sequence[Mapping[str, Any]] | None = None
-        # A JSONL file is read by line offset, so that the dataset holds 16 bytes per line
-        # (not the parsed conversations) and pickles cheaply into loader workers.
-        self._offsets = array.array("q")
-        self._lines = array.array("q")
+        self._file: JsonLines | None = None
         if isinstance(source, (str, os.PathLike)):
-            self.path = Path(source)
-            self._index_lines()
+            self._file = JsonLines(source)
+            self.path = self._file.path
         else:
             self.source = source
         if len(self) == 0:
@@ -200,7 +196,7 @@ class ChatDataset(Dataset[dict[str, list[int]]]):
         self._lengths: list[int] | None = None
 
     def __len__(self) -> int:
-        return len(self.source) if self.source is not None else len(self._offsets)
+        return len(self.source) if self.source is not None else len(self._file or ())
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
         index = self._checked(index)
@@ -235,9 +231,9 @@ class ChatDataset(Dataset[dict[str, list[int]]]):
 
     def describe(self, index: int) -> str:
         """How errors name sample ``index``: ``"sample 3 (chats.jsonl line 4)"``."""
-        if self.path is None:
+        if self._file is None:
             return f"sample {index}"
-        return f"sample {index} ({self.path} line {self._lines[index]})"
+        return f"sample {index} ({self.path} line {self._file.line_number(index)})"
 
     def _checked(self, index: int) -> int:
         size = len(self)
@@ -248,25 +244,9 @@ class ChatDataset(Dataset[dict[str, list[int]]]):
     def _origin(self) -> str:
         return str(self.path) if self.path is not None else f"the {type(self.source).__name__}"
 
-    def _index_lines(self) -> None:
-        assert self.path is not None
-        with self.path.open("rb") as file:
-            offset = 0
-            for number, line in enumerate(file, start=1):
-                if line.strip():
-                    self._offsets.append(offset)
-                    self._lines.append(number)
-                offset += len(line)
-
     def _read_line(self, index: int) -> Any:
-        assert self.path is not None
-        with self.path.open("rb") as file:
-            file.seek(self._offsets[index])
-            line = file.readline()
-        try:
-            return json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{self.describe(index)} is not valid JSON: {error}") from None
+        assert self._file is not None
+        return self._file.read(index, self.describe(index))
 
 
 def _check_messages(messages: Any, sample: str) -> None:

@@ -67,6 +67,11 @@ class Context:
         """The loss of the whole sequences from this rank's part of it: here the loss."""
         return loss
 
+    def sequence_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-sequence sums of this rank's tokens as sums over the whole sequences: here
+        as they are (``StepAPI.sequence_sum``)."""
+        return values
+
 
 class ContextParallel(Context):
     """``context_parallel > 1``: sequences split over the ``cp`` ranks (see the module
@@ -185,6 +190,13 @@ class ContextParallel(Context):
         dist.all_reduce(total, group=self._group())
         return total if summed else total / self.ranks
 
+    def sequence_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """The sum of ``values`` over the ``cp`` ranks, differentiable: a loss computed
+        from it is the whole sequences' loss on every rank, and each rank's backward gives
+        its own tokens' share of the gradient, scaled so that the gradient averaging over
+        the ``cp`` ranks (as for the parts of a mean loss) leaves the whole gradient."""
+        return _CrossRankSum.apply(values, self._group(), self.ranks)
+
     def _document_ids(self) -> torch.Tensor | None:
         return None if self._documents is None else self._documents[0]
 
@@ -245,3 +257,21 @@ def _local_buffers(buffers: Sequence[tuple[nn.Module, str, int]],
     finally:
         for module, name, whole in reversed(saved):
             module._buffers[name] = whole
+
+
+class _CrossRankSum(torch.autograd.Function):
+    """Forward: the all-reduced sum over ``group``. Backward: the incoming gradient times
+    the group's size (every rank computes the same loss from the sum; the ranks' gradients
+    are then averaged, as those of a mean loss's equal parts are)."""
+
+    @staticmethod
+    def forward(ctx: Any, values: torch.Tensor, group: dist.ProcessGroup,
+                ranks: int) -> torch.Tensor:
+        ctx.ranks = ranks
+        total = values.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad * ctx.ranks, None, None

@@ -465,9 +465,8 @@ def pipelined_model(models: Mapping[str, nn.Module]) -> str:
     if len(names) != 1:
         raise ValueError(
             f"pipeline_parallel > 1 splits one model into stages, but configure_models "
-            f"assigned {len(names)}: {names}; train them in separate runs, or set "
-            "pipeline_parallel=1"
-        )
+            f"assigned {len(names)}: {names}; train them in separate runs, set "
+            "pipeline_parallel=1, or (a DPO reference) use a LoRA policy's base, adapters off")
     return names[0]
 
 

@@ -145,6 +145,16 @@ class StepAPI(AbstractTrainer):
         self.item_weighting.add(num_items)
         return 1
 
+    def sequence_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-sequence sums over this rank's tokens (``[batch]``, e.g. the summed log-probs
+        of a preference pair's answers) as sums over the whole sequences, with gradients:
+        under ``context_parallel > 1`` each rank holds a part of every sequence, and a loss
+        that is not a sum over tokens (DPO's log-sigmoid of a log-prob difference) needs
+        the whole. Use it inside the ``loss_fn`` of ``forward_backward`` (a mean loss,
+        without ``num_items``); without context parallelism it returns ``values``.
+        """
+        return self.layout.context.sequence_sum(values)
+
     def context_parallel(self, *tensors: Any,
                          seq_dim: int | None = None) -> contextlib.AbstractContextManager[Any]:
         """A context for a hand-written step under ``context_parallel > 1``: it yields the
