@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
-from benchmarks import (checkpoint_speed, context_parallel, expert_steps, hf_load_memory,
-                        meta_init_memory, metadata_decode, object_store, pipeline_steps,
-                        plan_scale, resume_time, sft_packing, startup, step_overhead,
-                        stream_index, stream_resume, training_memory)
+from benchmarks import (checkpoint_speed, context_parallel, dpo_memory, expert_steps,
+                        hf_load_memory, lora_checkpoint, lora_memory, meta_init_memory,
+                        metadata_decode, object_store, pipeline_steps, plan_scale,
+                        resume_time, sft_packing, startup, step_overhead, stream_index,
+                        stream_resume, training_memory)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -70,6 +71,12 @@ def sections(quick: bool, lightning_python: str | None) -> dict[str, Callable[[]
                                                            1 if quick else 3),
         "sft_packing": lambda: (sft_packing.measure(24, 1, sft_packing.QUICK) if quick
                                 else sft_packing.measure()),
+        "lora_memory": lambda: lora_memory.measure(lora_memory.QUICK if quick
+                                                   else lora_memory.Shape()),
+        "lora_checkpoint": lambda: lora_checkpoint.measure(
+            lora_memory.QUICK if quick else lora_memory.Shape(), 2 if quick else 5),
+        "dpo_memory": lambda: dpo_memory.measure(lora_memory.QUICK if quick
+                                                 else lora_memory.Shape()),
     }
 
 
@@ -103,7 +110,8 @@ def markdown(results: dict[str, Any]) -> str:
                       "stream_index": stream_index, "object_store": object_store,
                       "pipeline_steps": pipeline_steps, "expert_steps": expert_steps,
                       "context_parallel": context_parallel,
-                      "sft_packing": sft_packing}[kind]
+                      "sft_packing": sft_packing, "lora_memory": lora_memory,
+                      "lora_checkpoint": lora_checkpoint, "dpo_memory": dpo_memory}[kind]
             lines += module.markdown(result)
     return "\n".join(lines) + "\n"
 

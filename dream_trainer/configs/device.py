@@ -11,6 +11,7 @@ import torch
 from pydantic import (BeforeValidator, NonNegativeInt, PlainSerializer, PositiveInt,
                       WithJsonSchema, model_validator)
 
+from dream_trainer.configs.activation_policy import ActivationCheckpointing, policy_label
 from dream_trainer.configs.base import ConfigModel
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -270,7 +271,25 @@ class DeviceParameters(ConfigModel):
     compile_model: bool = False
     """Compile each model with ``torch.compile``."""
     checkpoint_activations: bool = False
-    """Recompute activations in backward instead of storing them."""
+    """The earlier switch, kept as a synonym: ``True`` is ``activation_checkpointing="full"``
+    (with any other policy it is an error); ``False`` leaves the choice to
+    ``activation_checkpointing``."""
+    activation_checkpointing: ActivationCheckpointing = None
+    """Which activations a step recomputes in backward instead of keeping them from forward,
+    block by block (``find_blocks``): ``None`` keeps them all; ``"full"`` recomputes every
+    block; an int N recomputes blocks 0, N, 2N, ... whole (1 is ``"full"``); ``"selective"``
+    recomputes every block but for the outputs of its matrix products, attention and
+    collectives; a policy function ``(ctx, op, *args, **kwargs) -> CheckpointPolicy``
+    (torch's selective checkpointing) chooses op by op in every block. Set to ``"full"``
+    when only ``checkpoint_activations=True`` is given (a derived value, outside
+    ``model_fields_set``). A function is dumped to JSON by its qualified name."""
+    activation_offload: bool = False
+    """Move what each block (``find_blocks``) saves for backward to host memory during
+    forward, and bring it back in backward (torch's saved-tensor hooks; on CUDA pinned memory
+    and a side stream). With ``"full"`` or an int N it offloads what the checkpoints keep (the
+    checkpointed blocks' inputs) and all that the other blocks save. Parameters and tensor
+    subclasses (DTensor, float8) stay where they are. Not with an op-level policy
+    (``"selective"``, a function) nor with ``compile_model``."""
     cpu_offload: bool = False
     """Keep FSDP2-sharded parameters, gradients and optimizer state on the CPU. FSDP2 applies
     when ``dp_shard x context_parallel > 1``, so it needs one of them above 1."""
@@ -341,6 +360,20 @@ class DeviceParameters(ConfigModel):
         return self
 
     @model_validator(mode="after")
+    def _checkpoint_activations_synonym(self) -> DeviceParameters:
+        if not self.checkpoint_activations:
+            return self
+        if self.activation_checkpointing is None:
+            object.__setattr__(self, "activation_checkpointing", "full")
+        elif self.activation_checkpointing != "full":
+            raise ValueError(
+                "checkpoint_activations=True means activation_checkpointing='full', but "
+                f"activation_checkpointing={policy_label(self.activation_checkpointing)!r} "
+                "was given too: drop checkpoint_activations or set it False "
+                "(activation_checkpointing alone chooses the policy)")
+        return self
+
+    @model_validator(mode="after")
     def _check_degrees(self) -> DeviceParameters:
         autos = [name for name in MESH_DEGREES if getattr(self, name) == "auto"]
         if len(autos) > 1:
@@ -354,7 +387,26 @@ class DeviceParameters(ConfigModel):
         if problem is not None:
             raise ValueError(problem)
         self._check_float8()
+        self._check_activation_offload()
         return self
+
+    def _check_activation_offload(self) -> None:
+        if not self.activation_offload:
+            return
+        policy = self.activation_checkpointing
+        if policy == "selective" or callable(policy):
+            # torch's selective checkpoint caches the outputs it keeps in its own dispatch
+            # mode, past any saved-tensor hooks: they would stay on the device.
+            raise ValueError(
+                f"activation_offload=True cannot move what activation_checkpointing="
+                f"{policy_label(policy)!r} keeps (an op-level policy caches the outputs it "
+                "saves outside the saved-tensor hooks): use activation_checkpointing='full' "
+                "or an int N, or turn activation_offload off")
+        if self.compile_model:
+            raise ValueError(
+                "activation_offload=True with compile_model=True is not supported "
+                "(torch.compile would trace the saved-tensor hooks around each block, which "
+                "is not verified): turn one of them off")
 
     def _check_float8(self) -> None:
         if self.float8_recipe is None:

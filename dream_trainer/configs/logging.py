@@ -24,6 +24,11 @@ class LoggingParameters(ConfigModel):
     """Logs go to ``<log_dir>/<project>/<group>/<experiment>/logs/``."""
     histogram_bins: PositiveInt = 64
     """Equal-width bins of the histograms ``log_histogram`` records (``Histograms`` callback)."""
+    memory_snapshot_on_oom: bool = False
+    """On CUDA, record the caching allocator's history from the end of setup (every allocation
+    pays for a stack trace), and when ``fit()`` fails with an out-of-memory error write it to
+    ``<logs>/memory_snapshot_rank<R>.pickle`` for https://pytorch.org/memory_viz. Elsewhere
+    there is no such history: a warning says so and nothing is recorded."""
 
 
 class LoggingConfigMixin(ConfigModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -13,12 +14,19 @@ import torch
 from dream_trainer.configs.logging import LoggingConfigMixin, LoggingParameters
 from dream_trainer.trainer.abstract import AbstractTrainer
 from dream_trainer.trainer.history import floats
+from dream_trainer.trainer.out_of_memory import is_out_of_memory
 from dream_trainer.trainer.phases import runs_on
 from dream_trainer.utils.media import (Histogram, ImagesLike, MediaFiles, check_images,
                                        check_table, check_video, plain, to_uint8_images,
                                        to_uint8_video)
 from dream_trainer.utils.files import append_text, make_dirs, read_text, write_atomically
 from dream_trainer.utils.resumed_log import Continuation, Row
+
+logger = logging.getLogger(__name__)
+
+# torch's default for the allocator history: enough to see what filled the memory before an
+# out-of-memory error without growing without bound.
+MEMORY_HISTORY_ENTRIES = 100_000
 
 
 class LoggerMixin(AbstractTrainer):
@@ -168,6 +176,39 @@ class LoggerMixin(AbstractTrainer):
     def _finish_after_exception(self, exception: BaseException) -> None:
         if self._logging:
             self.finish()
+
+    # -- CUDA memory snapshot of an out-of-memory failure -----------------------------------
+    @property
+    def _records_memory(self) -> bool:
+        return self.logging_parameters.memory_snapshot_on_oom and self.world.device.type == "cuda"
+
+    @runs_on("post_setup")
+    def _record_memory_history(self) -> None:
+        if self._records_memory:
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+        elif self.logging_parameters.memory_snapshot_on_oom:
+            logger.warning("logging_parameters.memory_snapshot_on_oom=True, but this run is on "
+                           "%s and only CUDA records allocation history: no snapshot will be "
+                           "written (set it False off CUDA)", self.world.device)
+
+    @runs_on("on_exception")
+    def _dump_memory_snapshot(self, exception: BaseException) -> None:
+        if not (self._records_memory and is_out_of_memory(exception)):
+            return
+        path = self.log_dir / f"memory_snapshot_rank{self.world.rank}.pickle"
+        partial = path.with_name(f".{path.name}.partial")
+        make_dirs(path.parent)
+        # Written beside its final name and renamed: a failure mid-dump leaves no snapshot
+        # that looks complete.
+        torch.cuda.memory._dump_snapshot(str(partial))
+        os.replace(partial, path)
+        logger.error("rank %d: the CUDA memory history before this out-of-memory error is in "
+                     "%s (open it at https://pytorch.org/memory_viz)", self.world.rank, path)
+
+    @runs_on("teardown")
+    def _stop_memory_history(self) -> None:
+        if self._records_memory:
+            torch.cuda.memory._record_memory_history(enabled=None)
 
 
 class JSONLoggerConfigMixin(LoggingConfigMixin):

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dream_trainer.parallel.blocks import find_blocks
+from dream_trainer.parallel.checkpointing import checkpoint_blocks
 from dream_trainer.parallel.data_parallel import DDPBackend
 from dream_trainer.parallel.experts import distribute_experts
 from dream_trainer.parallel.hf_pipeline import split_pipeline
@@ -95,16 +96,17 @@ class ParallelizeModels(AbstractTrainer):
         return {}
 
     def apply_activation_checkpointing(self) -> None:
-        """Recompute each block's activations in backward (see ``find_blocks``).
+        """Wrap the blocks of every model (see ``find_blocks``) for recomputation in backward
+        as ``self.config.device_parameters.activation_checkpointing`` says: every block for
+        ``"full"``, ``"selective"`` and a policy function (the last two op by op), blocks 0,
+        N, 2N, ... for an int N. Runs only when a policy is set.
 
-        Override to checkpoint a different set of modules.
+        Override to checkpoint a different set of modules; read the policy from the same
+        field (an override that ignores it checkpoints as it likes).
         """
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            checkpoint_wrapper)
-
+        policy = self.config.device_parameters.activation_checkpointing
         for model in self.named_models().values():
-            for container, name, block in find_blocks(model):
-                setattr(container, name, checkpoint_wrapper(block))
+            checkpoint_blocks(model, policy)
 
     def apply_compile(self) -> None:
         """Compile each block with ``torch.compile`` (each whole model if it has none).
@@ -122,6 +124,10 @@ class ParallelizeModels(AbstractTrainer):
     def apply_fully_shard(self, config: dict[str, Any]) -> None:
         """Shard each block of every model with FSDP2, then the model itself.
 
+        A frozen model (no trainable parameter: a reference model) is sharded alike, its root
+        resharded after forward too: no backward follows to use the gathered weights that
+        FSDP2 otherwise keeps for it.
+
         Args:
             config: Keyword arguments for ``fully_shard``: the mesh, the
                 ``MixedPrecisionPolicy`` and the offload policy built from
@@ -130,11 +136,10 @@ class ParallelizeModels(AbstractTrainer):
         from torch.distributed.fsdp import fully_shard
 
         for model in self.named_models().values():
-            if not any(p.requires_grad for p in model.parameters()):
-                continue
             for _, _, block in find_blocks(model):
                 fully_shard(block, **config)
-            fully_shard(model, **config)
+            frozen = not any(p.requires_grad for p in model.parameters())
+            fully_shard(model, **config, **({"reshard_after_forward": True} if frozen else {}))
 
     def apply_replicate(self, mesh: DeviceMesh) -> None:
         """Replicate every model with trainable parameters over ``mesh`` with DDP."""

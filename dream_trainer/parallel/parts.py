@@ -23,10 +23,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dream_trainer.parallel.float8 import convert_to_float8
 from dream_trainer.parallel.float8_experts import convert_experts_to_float8
+from dream_trainer.configs.activation_policy import policy_label
 from dream_trainer.configs.device import DeviceParameters
+from dream_trainer.parallel.checkpointing import describe_policy
 from dream_trainer.parallel.context import Context
 from dream_trainer.parallel.data_parallel import DataParallelBackend, NoDataParallel, backend_for
 from dream_trainer.parallel.experts import Experts
+from dream_trainer.parallel.offload import offload_blocks
 from dream_trainer.world.dims import MeshAxis, ParallelDims
 from dream_trainer.world.world import DistributedWorld
 
@@ -166,15 +169,44 @@ class ExpertPart(Part):
 
 
 class CheckpointingPart(Part):
-    """``checkpoint_activations``: ``apply_activation_checkpointing()``."""
+    """``activation_checkpointing`` (or its synonym ``checkpoint_activations=True``):
+    ``apply_activation_checkpointing()``, whose default wraps blocks as the policy says."""
 
     name = "activation checkpointing"
 
     def active(self, params: DeviceParameters, dims: ParallelDims) -> bool:
-        return params.checkpoint_activations
+        return params.activation_checkpointing is not None
 
     def on_meta(self, hooks: BuildHooks, layout: BuildSite) -> None:
         hooks.apply_activation_checkpointing()
+
+    def describe(self, params: DeviceParameters, dims: ParallelDims) -> str:
+        return f"activation checkpointing: {describe_policy(params.activation_checkpointing)}"
+
+    def settings(self, params: DeviceParameters, dims: ParallelDims) -> dict[str, Any]:
+        return {"activation_checkpointing": policy_label(params.activation_checkpointing)}
+
+
+class OffloadPart(Part):
+    """``activation_offload``: every block (``find_blocks``) of every model, checkpointed or
+    not, runs under saved-tensor hooks that move what it keeps for backward to host memory;
+    after activation checkpointing, so that it offloads what the checkpoints keep."""
+
+    name = "activation offload"
+
+    def active(self, params: DeviceParameters, dims: ParallelDims) -> bool:
+        return params.activation_offload
+
+    def on_meta(self, hooks: BuildHooks, layout: BuildSite) -> None:
+        for name, model in hooks.named_models().items():
+            logger.info("%s: %d blocks offload their saved activations", name,
+                        offload_blocks(model))
+
+    def describe(self, params: DeviceParameters, dims: ParallelDims) -> str:
+        return "saved activations offloaded to host memory, block by block"
+
+    def settings(self, params: DeviceParameters, dims: ParallelDims) -> dict[str, Any]:
+        return {"activation_offload": True}
 
 
 class CompilePart(Part):
@@ -243,7 +275,7 @@ class ContextPart(Part):
 
 
 PARTS: tuple[Part, ...] = (Float8Part(), TensorPart(), ExpertPart(), CheckpointingPart(),
-                           CompilePart(), DataParallelPart(), ContextPart())
+                           OffloadPart(), CompilePart(), DataParallelPart(), ContextPart())
 """The build order, first to last: the one declaration of it (docs/concepts.md copies it)."""
 
 

@@ -25,6 +25,7 @@ from dream_trainer.trainer.history import History, RecordsHistory
 from dream_trainer.trainer.item_weighting import ItemWeighting
 from dream_trainer.trainer.loop_state import LoopState
 from dream_trainer.trainer.lifetime import torn_down
+from dream_trainer.trainer.out_of_memory import failure_note
 from dream_trainer.trainer.phases import check_config_mixins, runs_on
 from dream_trainer.trainer.schedulers import planned_optimizer_steps
 from dream_trainer.trainer.step_api import StepAPI
@@ -486,12 +487,12 @@ class BaseTrainer(HookDispatch, StepAPI, ValidationLoop, LoopState, RecordsHisto
         where = f"epoch {self.current_epoch}, global step {self.global_step}"
         if self.training:
             where += f", batch {self._batch_idx}"
-        message = (f"fit() failed on rank {self.world.rank} of {self.world.world_size} "
-                   f"({where}): {type(exc).__name__}: {exc}")
+        where = f"rank {self.world.rank} of {self.world.world_size} ({where})"
+        message = (f"fit() failed on {where}: {type(exc).__name__}: {exc}"
+                   f"{failure_note(exc, where, self.world, self.config)}")
         logger.error(message)
         if hasattr(exc, "add_note"):
-            exc.add_note(f"dream_trainer: raised on rank {self.world.rank} of "
-                         f"{self.world.world_size} ({where})")
+            exc.add_note(f"dream_trainer: raised on {where}")
         try:
             self._fire("on_exception", exc)
         except Exception:

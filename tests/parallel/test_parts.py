@@ -31,7 +31,7 @@ def documented_order() -> list[str]:
 def test_the_docs_state_the_declared_order() -> None:
     assert documented_order() == [part.name for part in PARTS]
     assert documented_order() == ["float8", "tensor", "expert", "activation checkpointing",
-                                  "compile", "data parallel", "context"]
+                                  "activation offload", "compile", "data parallel", "context"]
 
 
 class Counting(nn.Module):
@@ -117,7 +117,8 @@ def test_a_part_is_placed_by_name_and_refused_with_the_names() -> None:
         with_part(CountingPart(), after="fsdp")
     assert str(error.value) == (
         "no part named 'fsdp' to place 'counting' after: the parts are ['float8', 'tensor', "
-        "'expert', 'activation checkpointing', 'compile', 'data parallel', 'context'] "
+        "'expert', 'activation checkpointing', 'activation offload', 'compile', "
+        "'data parallel', 'context'] "
         "(after='' places it first)")
     with pytest.raises(ValueError, match="a part named 'counting' is already in the order"):
         with_part(CountingPart(), after="tensor", parts=with_part(CountingPart(), after=""))
