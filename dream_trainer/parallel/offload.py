@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from dream_trainer.parallel.blocks import find_blocks
 
@@ -84,10 +85,10 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     def _pack(self, tensor: torch.Tensor) -> Any:
         size = _nbytes(tensor)
         self.stats.packed_bytes += size
-        if type(tensor) is not torch.Tensor or _is_parameter(tensor):
+        if is_traceable_wrapper_subclass(tensor) or _is_parameter(tensor):
             self.stats.kept_bytes += size
             return tensor
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape,
+        key = (tensor.untyped_storage()._cdata, tensor.storage_offset(), tensor.shape,
                tensor.stride(), tensor.dtype, tensor.device)
         if key not in self._copies:
             self._copies[key] = (tensor, self._to_host(tensor))
