@@ -10,10 +10,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from dream_trainer.cli.arguments import add_target, positive_int
+from dream_trainer.cli.arguments import add_target, policy_overrides, positive_int, refusal
 from dream_trainer.cli.target import TargetError, load_trainer
-from dream_trainer.planning.report import (CONTEXT_PARALLEL, MEASURED, SizePlan, parse_size,
-                                           table, to_json)
+from dream_trainer.planning.report import (CONTEXT_PARALLEL, MEASURED, POLICIES, SAVED, RankPlan,
+                                           SizePlan, parse_size, policy_table, table, to_json)
+from dream_trainer.planning.saved import SavedActivations
 from dream_trainer.planning.simulate import describe_failure, plan_rank
 from dream_trainer.world.dims import MeshAxis
 
@@ -43,6 +44,10 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                         help="memory of one device (80GiB): say whether each size fits")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per world size instead of the tables")
+    parser.add_argument("--activation-policies", action="store_true",
+                        help="plan the first simulated rank of each world size again under "
+                             "each activation checkpointing policy, with and without "
+                             "activation offload, and print what each saves for backward")
     parser.set_defaults(run=run)
     return parser
 
@@ -68,6 +73,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         print("\n" + textwrap.fill(MEASURED, width=100))
         if any(MeshAxis.CP.value in plan.mesh for plan in plans):
             print("\n" + textwrap.fill(CONTEXT_PARALLEL, width=100))
+    if args.activation_policies:
+        for plan in plans:
+            if plan.ranks and not args.json:
+                _print_policies(args, overrides, plan)
     too_big = any(plan.fits(device_memory) is False for plan in plans)
     return 1 if failed or too_big else 0
 
@@ -97,6 +106,27 @@ def _plan_size(args: argparse.Namespace, overrides: list[str], world_size: int) 
             plan.error = describe_failure(exc, rank)
             return plan
     return plan
+
+
+def _print_policies(args: argparse.Namespace, overrides: list[str], plan: SizePlan) -> None:
+    """Plan the size's first simulated rank under each of ``POLICIES`` and print the table."""
+    rank = next(iter(plan.ranks))
+    nproc = args.nproc_per_node or min(8, plan.world_size)
+    rows: list[tuple[str, RankPlan | SavedActivations | str]] = []
+    for label, policy, offload in POLICIES:
+        chosen = [*overrides, *policy_overrides(policy, offload)]
+        try:
+            rows.append((label, plan_rank(lambda: load_trainer(args.target, chosen),
+                                          plan.world_size, rank, nproc)))
+        except ValidationError as exc:  # a combination the config refuses
+            rows.append((label, refusal(exc)))
+        except TargetError:
+            raise
+        except Exception as exc:
+            rows.append((label, describe_failure(exc, rank)))
+    print(f"\nactivation policies at world size {plan.world_size}, rank {rank}:")
+    print(policy_table(rows))
+    print("\n" + textwrap.fill(SAVED, width=100))
 
 
 def _sizes(text: str) -> list[int]:

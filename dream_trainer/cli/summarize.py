@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import io
+import textwrap
 from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
+from pydantic import ValidationError
 from torch import nn
 
 from dream_trainer.callbacks.summaries import ModelSummary, TrainerSummary
-from dream_trainer.cli.arguments import add_target, non_negative_int
+from dream_trainer.cli.arguments import add_target, non_negative_int, policy_overrides, refusal
+from dream_trainer.cli.target import load_trainer
 from dream_trainer.cli.tool_run import run_tool
 from dream_trainer.configs.device import DeviceParameters
 from dream_trainer.parallel.parts import ContextPart
 from dream_trainer.parallel.pipeline import PipelineStages, describe_stage
-from dream_trainer.planning.session import attach, sandboxed, set_up
+from dream_trainer.planning.report import POLICIES, RankPlan, policy_table
+from dream_trainer.planning.saved import SavedActivations, measure_real_step
+from dream_trainer.planning.session import (attach, sandboxed, set_up,
+                                            without_callbacks_or_compilation)
 from dream_trainer.trainer.base import BaseTrainer
 from dream_trainer.world.dims import MeshAxis, ParallelDims
 
@@ -32,16 +39,49 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     add_target(parser)
     parser.add_argument("--depth", type=non_negative_int, default=1, metavar="D",
                         help="deepest level of submodules listed per model (default: 1)")
+    parser.add_argument("--activations", action="store_true",
+                        help="also set the trainer up again under each activation "
+                             "checkpointing policy, with and without activation offload, run "
+                             "one real optimizer step on the first batches of its loader and "
+                             "report what its forward saved for backward (rank 0's)")
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    return run_tool(args, overrides, _summarize, _print)
+    return run_tool(args, overrides, functools.partial(_summarize, overrides=overrides), _print)
 
 
-def _summarize(args: argparse.Namespace, trainer: BaseTrainer) -> dict[str, str]:
+def _summarize(args: argparse.Namespace, trainer: BaseTrainer,
+               overrides: list[str]) -> dict[str, str]:
     """Each section's title and text; empty on ranks other than 0, whose summaries are empty."""
+    sections = _sections(args, trainer)
+    if args.activations:
+        # Collective (each policy's trainer is set up on every rank): after the summary's
+        # trainer is torn down.
+        table = _saved_per_policy(args, overrides)
+        if sections:
+            sections["saved for backward, one real step per activation policy"] = \
+                f"{table}\n\n{textwrap.fill(MEASURED_SAVED, width=100)}"
+    return sections
+
+
+def _saved_per_policy(args: argparse.Namespace, overrides: list[str]) -> str:
+    rows: list[tuple[str, RankPlan | SavedActivations | str]] = []
+    for label, policy, offload in POLICIES:
+        try:
+            trainer = load_trainer(args.target, [*overrides, *policy_overrides(policy, offload)])
+        except ValidationError as exc:  # a combination the config refuses
+            rows.append((label, refusal(exc)))
+            continue
+        # No callbacks, and eager blocks: the step is measured op by op.
+        without_callbacks_or_compilation(trainer)
+        with sandboxed(trainer), set_up(trainer):
+            rows.append((label, measure_real_step(trainer)))
+    return policy_table(rows)
+
+
+def _sections(args: argparse.Namespace, trainer: BaseTrainer) -> dict[str, str]:
     config_json = trainer.config.model_dump_json(indent=2)  # the user's, before the sandbox
     model_tables, schedule_table = io.StringIO(), io.StringIO()
     models = ModelSummary(max_depth=args.depth, stream=model_tables)
@@ -62,6 +102,16 @@ def _summarize(args: argparse.Namespace, trainer: BaseTrainer) -> dict[str, str]
                 "data": _data(trainer, schedule.summary["optimizer_steps_per_epoch"]),
                 "schedule": schedule_table.getvalue().rstrip(),
             }
+
+
+MEASURED_SAVED = (
+    "Measured in one real optimizer step per policy, on the first batches of the train "
+    "loader, eager and without callbacks: what the first micro-batch's forward left alive "
+    "when its backward began (activations autograd saved, checkpointed blocks' inputs, the "
+    "outputs a selective policy keeps, the loss), parameters and the batch aside; 'on host' is "
+    "what activation offloading copied to host memory. `dream-trainer plan "
+    "--activation-policies` estimates the same bytes on fake tensors."
+)
 
 
 def _print(args: argparse.Namespace, trainer: BaseTrainer, sections: dict[str, str]) -> int:

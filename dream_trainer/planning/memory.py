@@ -78,6 +78,12 @@ class StepMemory(TorchDispatchMode):
                 peak = max(peak, live)
         return peak
 
+    def live_bytes(self, excluding: Iterable[int] = ()) -> int:
+        """The bytes of the storages created while tracking and alive now, leaving out the
+        given allocations."""
+        skip = set(excluding)
+        return sum(size for allocation, size in self._live.values() if allocation not in skip)
+
     def _track_storage(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
         if key in self._live:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dream_trainer.planning.comms import AxisTraffic
+from dream_trainer.planning.saved import SavedActivations
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -50,6 +51,10 @@ class RankPlan:
     activation_bytes: int
     """The step's peak of every other tensor: activations kept for backward, FSDP's gathered
     parameters and unsharded gradients, temporaries, and the micro-batch."""
+    saved: SavedActivations | None
+    """What the first micro-batch's forward kept for backward when backward began (on the
+    device and offloaded to the host; ``planning.saved``), None if the step made no backward
+    call."""
     collectives: dict[str, AxisTraffic]
     """Collectives of the whole step (every micro-batch), by mesh axis."""
     collective_kinds: dict[str, dict[str, AxisTraffic]]
@@ -120,6 +125,10 @@ def to_json(plan: SizePlan, device_memory: int | None) -> dict[str, Any]:
             "grad_bytes": rank_plan.grad_bytes,
             "optimizer_bytes": rank_plan.optimizer_bytes,
             "activation_bytes": rank_plan.activation_bytes,
+            "saved_activation_bytes": (rank_plan.saved.device_bytes
+                                       if rank_plan.saved is not None else None),
+            "offloaded_activation_bytes": (rank_plan.saved.host_bytes
+                                           if rank_plan.saved is not None else None),
             "collectives": {axis: {"count": traffic.count, "bytes": traffic.bytes}
                             for axis, traffic in rank_plan.collectives.items()},
         } for rank, rank_plan in plan.ranks.items()},
@@ -159,6 +168,46 @@ def table(plans: list[SizePlan], device_memory: int | None) -> str:
         sections += ["", "collectives of one optimizer step per rank, by mesh axis "
                          "(count, bytes of their full buffers):", _columns(comm_rows)]
     return "\n".join(sections)
+
+
+POLICIES: tuple[tuple[str, int | str | None, bool], ...] = (
+    ("none", None, False), ("selective", "selective", False), ("every 2nd block", 2, False),
+    ("full", "full", False), ("every 2nd block, offloaded", 2, True),
+    ("full, offloaded", "full", True))
+"""The rows of ``plan --activation-policies``: (label, ``activation_checkpointing``,
+``activation_offload``), from the most kept to the least."""
+
+SAVED = (
+    "Saved for backward: what the first micro-batch's forward leaves alive when its backward "
+    "begins (activations autograd saved, checkpointed blocks' inputs, the outputs a selective "
+    "policy keeps, the loss), parameters and the micro-batch aside; 'on host' is what "
+    "activation offloading copied to host memory instead. 'activations' is the step's peak "
+    "as in the table above (with offload it counts the host copies too: the plan does not "
+    "tell host from device memory). `dream-trainer summarize --activations` measures the "
+    "same bytes in one real step of each policy."
+)
+
+
+def policy_table(rows: list[tuple[str, RankPlan | SavedActivations | str]]) -> str:
+    """One row per activation policy: the bytes saved for backward on the device and on the
+    host, with a plan's peak and total; or, below the table, why a policy was not run."""
+    planned = any(isinstance(value, RankPlan) for _, value in rows)
+    header = ["policy", "saved for backward", "on host"]
+    lines = [header + (["activations", "total"] if planned else [])]
+    notes = []
+    for label, value in rows:
+        cells = [label]
+        if isinstance(value, str):
+            cells.append("not run (below)")
+            notes.append(f"{label}: {value}")
+        else:
+            saved = value.saved if isinstance(value, RankPlan) else value
+            cells += ([format_bytes(saved.device_bytes), format_bytes(saved.host_bytes)]
+                      if saved is not None else ["no backward call", ""])
+            if isinstance(value, RankPlan):
+                cells += [format_bytes(value.activation_bytes), format_bytes(value.total_bytes)]
+        lines.append(cells + [""] * (len(lines[0]) - len(cells)))
+    return "\n".join([_columns(lines), *notes])
 
 
 def _mesh(mesh: dict[str, int]) -> str:

@@ -27,6 +27,7 @@ from dream_trainer.planning.memory import StepMemory, optimizer_tensors, storage
 from dream_trainer.nn.moe import balanced_routing
 from dream_trainer.planning.pipeline import BoundariesNeeded, PlannedPipeline
 from dream_trainer.planning.report import RankPlan
+from dream_trainer.planning.saved import at_first_backward
 from dream_trainer.planning.session import (attach, sandboxed, set_up,
                                             without_callbacks_or_compilation)
 from dream_trainer.trainer.base import BaseTrainer
@@ -174,7 +175,8 @@ def _measure(trainer: BaseTrainer,
                         dtype=device.param_dtype, record=comms.record, boundaries=boundaries))
             # Fake tensors have no router choices: mixture-of-experts layers are planned with
             # every expert receiving an equal share of the tokens (the report says so).
-            with shapes.mode, comms, memory, balanced_routing(), warnings.catch_warnings():
+            with shapes.mode, comms, memory, balanced_routing(), warnings.catch_warnings(), \
+                    at_first_backward(trainer.named_models(), memory) as saved:
                 # The comm mode's module hooks make torch warn about full backward hooks.
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
                 trainer.train_window(batches)
@@ -192,6 +194,7 @@ def _measure(trainer: BaseTrainer,
                 grad_bytes=sum(probe.grad_bytes.values()),
                 optimizer_bytes=sum(s.nbytes() for s in state.values()),
                 activation_bytes=memory.peak(excluded - {None}) + batch_bytes,
+                saved=saved[0] if saved else None,
                 collectives=dict(sorted(comms.traffic.items())),
                 collective_kinds=dict(sorted(comms.kinds.items())),
                 mesh={axis.value: size for axis, size in world.dims.mesh_axes()},

@@ -219,8 +219,9 @@ def explain(exc: BaseException, phase: str | None, where: str, memory: MemoryUse
         f"memory {memory.what}: {format_bytes(memory.in_use)} in use, peak "
         f"{format_bytes(memory.peak)}",
         "planner estimate: not estimated (the planner runs a step of its own); run "
-        "`dream-trainer plan <module:Trainer> --world-size <N> --device-memory <SIZE>` for "
-        "this layout's memory per rank",
+        "`dream-trainer plan <module:Trainer> --world-size <N> --device-memory <SIZE> "
+        "--activation-policies` for this layout's memory per rank and per checkpointing "
+        "policy",
     ]
     if suggestions:
         lines.append("settings that lower it, cheapest first: " + "; ".join(suggestions))

@@ -44,7 +44,11 @@ def test_json_has_the_contracts_keys_per_world_size_and_says_whether_it_fits(
         assert set(plan["ranks"]) == {"0", str(plan["world_size"] - 1)}
         for figures in plan["ranks"].values():
             assert set(figures) == {"param_bytes", "grad_bytes", "optimizer_bytes",
-                                    "activation_bytes", "collectives"}
+                                    "activation_bytes", "saved_activation_bytes",
+                                    "offloaded_activation_bytes", "collectives"}
+            # Forward keeps part of the step's peak for backward; nothing is offloaded.
+            assert 0 < figures["saved_activation_bytes"] < figures["activation_bytes"]
+            assert figures["offloaded_activation_bytes"] == 0
             assert all(type(figures[key]) is int and figures[key] > 0 for key in
                        ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"))
             assert set(figures["collectives"]) == {"dp_shard", "tp", "dp_shard_tp"}  # norm: flattened

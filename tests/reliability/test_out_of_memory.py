@@ -21,8 +21,9 @@ from tests.helpers.toy import LoggedToyConfig, RecordingLogger, ToyTrainer, toy_
 
 SCRIPT = REPO / "tests/scripts/out_of_memory_run.py"
 PLANNER = ("planner estimate: not estimated (the planner runs a step of its own); run "
-           "`dream-trainer plan <module:Trainer> --world-size <N> --device-memory <SIZE>` for "
-           "this layout's memory per rank")
+           "`dream-trainer plan <module:Trainer> --world-size <N> --device-memory <SIZE> "
+           "--activation-policies` for this layout's memory per rank and per checkpointing "
+           "policy")
 HOST_MEMORY = re.compile(r"memory resident in this process's host memory: [0-9.]+ [KMG]iB in "
                          r"use, peak [0-9.]+ [KMG]iB")
 TRAIN_REMEDIES = ("device_parameters.activation_checkpointing='selective' (recomputes "
