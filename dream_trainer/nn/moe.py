@@ -320,7 +320,9 @@ class MoE(nn.Module):
         else:
             counts = torch.bincount(slots, minlength=self.num_experts)
             sizes = counts.tolist()  # the one host sync of the routing
-        if self.training and not _UNCOUNTED.get():
+        # Within a backward (a graph task is running) a forward is activation checkpointing's
+        # recomputation of one already counted.
+        if self.training and not _UNCOUNTED.get() and torch._C._current_graph_task_id() == -1:
             self._load = counts.float() if self._load is None else self._load + counts
         order = slots.argsort(stable=True)
         token_of_slot = order // self.top_k

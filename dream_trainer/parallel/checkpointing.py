@@ -94,7 +94,34 @@ def _context_fn(policy: CheckpointingPolicy) -> Callable[[], Any] | None:
         function = policy
     else:
         return None
+    _ignore_profiler_annotations()
     return functools.partial(create_selective_checkpoint_contexts, function)
+
+
+def _ignore_profiler_annotations() -> None:
+    """Let op-level checkpointing pass over ``record_function``'s ops, as it does over
+    ``detach``: they annotate, compute nothing, and need not repeat in the recomputation.
+
+    An op-level policy replays each op's n-th call in backward from what forward cached,
+    counting calls per op, so an op called more often in the recomputation fails the step
+    ("invocation index ... not found in storage"). FSDP2 annotates its hooks with
+    ``record_function`` and, on a unit inside a checkpointed block (the experts under
+    expert parallelism), runs them a different number of times in the recomputation
+    (torchtitan issue 3427; torch 2.13 does not skip them yet). torch consults its module
+    set ``SAC_IGNORED_OPS`` for the ops it passes over; they are added to it once.
+    """
+    import torch.utils.checkpoint as checkpoint
+
+    ignored = getattr(checkpoint, "SAC_IGNORED_OPS", None)
+    if isinstance(ignored, set):
+        ignored |= _PROFILER_OPS
+
+
+_PROFILER_OPS = frozenset(
+    op for op in (getattr(torch.ops.profiler._record_function_enter_new, "default", None),
+                  getattr(torch.ops.profiler._record_function_exit, "_RecordFunction", None))
+    if op is not None)
+"""``record_function``'s ops: entering (``.default``) and leaving (``._RecordFunction``)."""
 
 
 def describe_policy(policy: CheckpointingPolicy) -> str:
