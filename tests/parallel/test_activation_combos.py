@@ -1,6 +1,6 @@
 """Activation checkpointing policies and activation offload composed with a pipeline (pp=2),
 MoE layers under expert parallelism (ep=2 over dp_shard=2) and float8 (emulated) under FSDP2,
-and offload under tensor and context parallelism: each setting trains the weights of the same
+offload under tensor and context parallelism, and the policies under compilation: each setting trains the weights of the same
 layout without either, and an MoE layer counts its load once per forward, not again when
 checkpointing recomputes it.
 
@@ -19,11 +19,13 @@ import pytest
 import torch
 from torch import nn
 
+from dream_trainer.configs import DeviceParameters, TrainingParameters
 from dream_trainer.nn import MoE
 from dream_trainer.parallel.checkpointing import checkpoint_blocks
 from tests.helpers.launch import REPO, check, torchrun
-from tests.helpers.rotary_gpt import DIM, sequences, summed_loss, targets_of
+from tests.helpers.rotary_gpt import DIM, GPTConfig, sequences, summed_loss, targets_of
 from tests.scripts.activation_combos_run import LAYOUTS, SETTINGS
+from tests.scripts.activation_policies_run import BLOCKS, GLOBAL_BATCH, STEPS, PolicyTrainer
 from tests.scripts.moe_combos import MoEGPT
 
 SCRIPT = REPO / "tests/scripts/activation_combos_run.py"
@@ -129,3 +131,30 @@ def test_op_level_policies_pass_over_annotations_that_differ_in_the_recomputatio
     for policy in ("selective", "full"):
         assert all(torch.equal(grad, expected)
                    for grad, expected in zip(annotated_gradients(policy), plain, strict=True))
+
+
+def compiled_run(policy: Any) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """3 SGD steps of the rotary GPT with its blocks compiled: the final weights, and what
+    each compiled block wraps."""
+    trainer = PolicyTrainer(GPTConfig(
+        project="combos", group="tests", experiment=f"compiled-{policy}", n_layers=BLOCKS,
+        device_parameters=DeviceParameters(compile_model=True, activation_checkpointing=policy),
+        training_parameters=TrainingParameters(n_epochs=1, train_batch_size=GLOBAL_BATCH,
+                                               max_steps=STEPS)))
+    trainer.fit()
+    return trainer.weights, [type(block._orig_mod).__name__ for block in trainer.model.layers]
+
+
+def test_every_policy_trains_the_weights_of_no_checkpointing_when_compiled() -> None:
+    """Compilation follows checkpointing in the build order, so each compiled block holds its
+    checkpoint wrapper and torch.compile traces the recomputation with it. Bitwise: the
+    compiled recomputation runs the same generated kernels on the same inputs."""
+    plain, blocks = compiled_run(None)
+    assert blocks == ["Block"] * BLOCKS
+    wrapped = {"full": [True] * 4, 2: [True, False, True, False], "selective": [True] * 4}
+    for policy, checkpointed in wrapped.items():
+        weights, blocks = compiled_run(policy)
+        assert blocks == ["CheckpointWrapper" if flag else "Block" for flag in checkpointed]
+        assert weights.keys() == plain.keys()
+        for name, tensor in plain.items():
+            assert torch.equal(weights[name], tensor), (policy, name)
