@@ -125,6 +125,9 @@ def gpu_markdown(result: dict[str, Any]) -> list[str]:
         rows.append(f"| {where}: {label} | {run['tokens_per_second']:,.0f} tokens/s{mfu} |")
     rows.append(f"| {where}: DreamTrainer / hand-written throughput | "
                 f"{result['dream_over_hand_throughput']:.3f} |")
+    if result.get("planned_gib") and result["dream"]["peak_memory_gib"]:
+        rows.append(f"| {where}: `dream-trainer plan`'s total / measured peak, DreamTrainer "
+                    f"bf16 | {result['planned_gib'] / result['dream']['peak_memory_gib']:.3f} |")
     for recipe in result.get("float8_recipes", []):  # absent from runs recorded before float8
         run = result[f"dream_float8_{recipe}"]
         mfu = "" if run["mfu"] is None else f", MFU {run['mfu']:.1%} of the bf16 peak"

@@ -20,6 +20,21 @@ class GPTShape:
     n_layers: int = 16
     n_heads: int = 16
     seq_len: int = 2048
+    n_kv_heads: int | None = None
+    """Key and value heads (grouped-query attention); None: as many as ``n_heads``."""
+    ffn_dim: int | None = None
+    """The feed-forward network's hidden width; None: ``4 * d_model``."""
+    swiglu: bool = False
+    """A SwiGLU feed-forward network (its gate and up projections one ``Linear``) instead of
+    GELU's."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden(self) -> int:
+        return self.ffn_dim or 4 * self.d_model
 
     def flops_per_token(self, n_params: int) -> float:
         """Training FLOPs per token: 6 per weight multiply-add outside the embeddings, plus the
@@ -33,21 +48,31 @@ class Block(nn.Module):
     def __init__(self, shape: GPTShape) -> None:
         super().__init__()
         d = shape.d_model
-        self.n_heads = shape.n_heads
+        self.n_heads, self.kv_heads, self.swiglu = shape.n_heads, shape.kv_heads, shape.swiglu
+        self.kv_dim = d // shape.n_heads * shape.kv_heads
         self.attn_norm = nn.LayerNorm(d, bias=False)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.qkv = nn.Linear(d, d + 2 * self.kv_dim, bias=False)
         self.proj = nn.Linear(d, d, bias=False)
         self.mlp_norm = nn.LayerNorm(d, bias=False)
-        self.up = nn.Linear(d, 4 * d, bias=False)
-        self.down = nn.Linear(4 * d, d, bias=False)
+        self.up = nn.Linear(d, shape.hidden * (2 if shape.swiglu else 1), bias=False)
+        self.down = nn.Linear(shape.hidden, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = (self.qkv(self.attn_norm(x)).view(b, t, 3, self.n_heads, d // self.n_heads)
-                   .permute(2, 0, 3, 1, 4))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        head_dim = d // self.n_heads
+        q, k, v = self.qkv(self.attn_norm(x)).split([d, self.kv_dim, self.kv_dim], dim=-1)
+        q = q.view(b, t, self.n_heads, head_dim).transpose(1, 2)
+        k, v = (part.view(b, t, self.kv_heads, head_dim).transpose(1, 2) for part in (k, v))
+        grouped = {"enable_gqa": True} if self.kv_heads != self.n_heads else {}
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, **grouped)
         x = x + self.proj(attended.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.mlp_norm(x)), approximate="tanh"))
+        hidden = self.up(self.mlp_norm(x))
+        if self.swiglu:
+            gate, up = hidden.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+        else:
+            hidden = F.gelu(hidden, approximate="tanh")
+        return x + self.down(hidden)
 
 
 class GPT(nn.Module):
@@ -65,6 +90,14 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+LLAMA3_8B_WIDTHS = GPTShape(vocab=128256, d_model=4096, n_layers=32, n_heads=32, seq_len=8192,
+                            n_kv_heads=8, ffn_dim=14336, swiglu=True)
+"""Llama 3 8B's widths (its vocabulary, model and SwiGLU widths, 32 query and 8 key/value
+heads, 8K context) in this decoder, which keeps learned positions and LayerNorm: the matrix
+products, and so the float8 gains, are an 8B model's; ``gpu_throughput`` chooses how many
+of its 32 layers fit one GPU."""
 
 
 def init_gpt(model: nn.Module) -> None:
