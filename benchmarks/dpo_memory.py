@@ -20,7 +20,6 @@ RSS before ``configure_models``, measured as in ``lora_memory``, with the same w
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from dataclasses import asdict
@@ -30,7 +29,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
-from benchmarks.lora_memory import QUICK, STEPS, Shape, build, launch, warm_up
+from benchmarks.lora_memory import STEPS, Shape, build, launch, run_cli, warm_up
 from benchmarks.processes import current_rss_bytes, peak_rss_bytes
 from dream_trainer import BaseTrainer, BaseTrainerConfig
 from dream_trainer.callbacks import ReferenceLogProbs
@@ -233,19 +232,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="DPO reference-model peak memory")
-    parser.add_argument("--quick", action="store_true", help="a tiny model: checks the harness")
-    parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
-    parser.add_argument("--shape", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.rank_main:
-        rank_main(args.variant, Shape(**json.loads(args.shape)), args.out)
-        return
-    result = measure(QUICK if args.quick else Shape())
-    print(json.dumps(result, indent=2))
-    print("\n".join(["", "| what | figure |", "|---|---|", *markdown(result)]))
+    run_cli("DPO reference-model peak memory", VARIANTS, rank_main, measure, markdown)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -234,11 +235,16 @@ def markdown(result: dict[str, Any]) -> list[str]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="LoRA vs full fine-tuning peak memory")
+def run_cli(description: str, variants: Sequence[str],
+            rank_main: Callable[[Any, Shape, str], None],
+            measure: Callable[[Shape], dict[str, Any]],
+            markdown: Callable[[dict[str, Any]], list[str]]) -> None:
+    """The command line of a benchmark that launches one process group per variant: measure
+    and print, or (``--rank-main``, as ``launch`` calls it) be one rank of a variant."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="a tiny model: checks the harness")
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=variants, help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -248,6 +254,10 @@ def main() -> None:
     result = measure(QUICK if args.quick else Shape())
     print(json.dumps(result, indent=2))
     print("\n".join(["", "| what | figure |", "|---|---|", *markdown(result)]))
+
+
+def main() -> None:
+    run_cli("LoRA vs full fine-tuning peak memory", VARIANTS, rank_main, measure, markdown)
 
 
 if __name__ == "__main__":

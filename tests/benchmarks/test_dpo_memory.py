@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.dpo_memory import (IGNORE, QUICK, VARIANTS, answer_targets, markdown, measure,
-                                   pairs, prompt_length)
+from benchmarks.dpo_memory import (IGNORE, VARIANTS, answer_targets, markdown, measure, pairs,
+                                   prompt_length)
+from benchmarks.lora_memory import QUICK
 
 
 def test_pairs_share_their_prompt_and_only_answers_are_scored() -> None:
