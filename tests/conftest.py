@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,6 +64,20 @@ def _no_leaks() -> Iterator[None]:
             os.environ[name] = env_before[name]  # type: ignore[assignment]
     assert not leaked_group, "the test left a process group initialized"
     assert not changed, f"the test changed launcher variables: {sorted(changed)}"
+
+
+@pytest.fixture
+def private_tempdir(tmp_path_factory: pytest.TempPathFactory,
+                    monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A temporary directory of the test's own as ``tempfile``'s default, for tests that
+    check what a command leaves there: ``/tmp`` is shared with whatever else runs on the
+    machine (another test worker's or a user's command creates and deletes its own
+    sandboxes there at any time)."""
+    import tempfile
+
+    directory = tmp_path_factory.mktemp("tempdir")
+    monkeypatch.setattr(tempfile, "tempdir", str(directory))
+    return directory
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,8 +28,8 @@ GRAPH_BREAKS = REPO / "tests" / "scripts" / "graph_break_trainer.py"
 pytestmark = pytest.mark.usefixtures("restore_imports")
 
 
-def sandboxes() -> set[Path]:
-    return set(Path(tempfile.gettempdir()).glob("dream-trainer-*"))
+def sandboxes(directory: Path) -> set[Path]:
+    return set(directory.glob("dream-trainer-*"))
 
 
 @pytest.mark.parametrize(("command", "expected"), [
@@ -52,12 +51,11 @@ def test_help_names_the_commands_and_their_options(
 
 
 def test_find_graph_breaks_names_each_blocks_break_and_its_reason(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, private_tempdir: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     from tests.scripts.graph_break_trainer import BREAK_LINE
 
     monkeypatch.chdir(tmp_path)
-    before = sandboxes()
     assert main(["find-graph-breaks", f"{GRAPH_BREAKS}:make_trainer"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "model.blocks.0 (Block): 2 graphs, 1 graph break"
@@ -67,7 +65,7 @@ def test_find_graph_breaks_names_each_blocks_break_and_its_reason(
     # The second block breaks the same way: listed once, not repeated.
     assert "model.blocks.1 (Block): 2 graphs, 1 graph break, the same as model.blocks.0" in lines
     assert lines[-1] == "2 blocks explained, 2 graph breaks in all"
-    assert sandboxes() == before and not (tmp_path / "outputs").exists()
+    assert sandboxes(private_tempdir) == set() and not (tmp_path / "outputs").exists()
 
 
 def test_summarize_prints_the_config_world_and_models_without_training(
@@ -102,8 +100,7 @@ def test_summarize_shows_the_configured_learning_rate_not_the_warmups_first(
 
 
 def test_benchmark_measures_n_steps_and_writes_nothing_into_the_run_directories(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    before = sandboxes()
+        tmp_path: Path, private_tempdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     figures = tmp_path / "figures.json"
     # 16 samples are 2 steps per epoch: the 5 steps asked for need more epochs than the 2
     # configured, each saving a checkpoint in the user's config.
@@ -119,7 +116,7 @@ def test_benchmark_measures_n_steps_and_writes_nothing_into_the_run_directories(
     assert written["samples_per_step"] == 8
     assert written["samples_per_second"] == pytest.approx(8 * 4 / sum(written["step_times_s"]))
     assert sorted(path.name for path in tmp_path.iterdir()) == ["figures.json"]
-    assert sandboxes() == before  # the temporary checkpoint directory is gone too
+    assert sandboxes(private_tempdir) == set()  # the temporary checkpoint directory is gone too
 
 
 def test_profile_writes_a_chrome_trace_and_prints_the_top_operators(

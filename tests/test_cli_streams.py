@@ -9,7 +9,6 @@ the configured schedule has, so it must replace that schedule without breaking t
 from __future__ import annotations
 
 import json
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -129,16 +128,15 @@ def target(directory: Path, case: str) -> tuple[str, list[str]]:
     return f"{script}:{factory}", overrides
 
 
-def sandboxes() -> set[Path]:
-    return set(Path(tempfile.gettempdir()).glob("dream-trainer-*"))
+def sandboxes(directory: Path) -> set[Path]:
+    return set(directory.glob("dream-trainer-*"))
 
 
 def test_benchmark_times_every_step_asked_for_on_a_stream(
-        case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, private_tempdir: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)  # the trainers' checkpoints and logs would default to ./outputs
     script, overrides = target(tmp_path, case)
-    before = sandboxes()
     figures = tmp_path / "figures.json"
     assert main(["benchmark", script, "--steps", "4", "--warmup", "1", "--json", str(figures),
                  "--", *overrides]) == 0
@@ -151,7 +149,7 @@ def test_benchmark_times_every_step_asked_for_on_a_stream(
     assert written["samples_per_second"] == pytest.approx(4 * 4 / sum(written["step_times_s"]))
     assert sorted(path.name for path in tmp_path.iterdir()) == ["figures.json",
                                                                 "stream_trainers.py"]
-    assert sandboxes() == before
+    assert sandboxes(private_tempdir) == set()
 
 
 def test_profile_records_the_steps_asked_for_on_a_stream(
