@@ -93,6 +93,7 @@ def test_every_policy_trains_the_weights_of_no_checkpointing_on_two_ranks(
 def documented_saved_bytes() -> dict[str, tuple[int, int]]:
     """docs/performance.md's table of saved bytes: policy -> (kept, seen by the hooks)."""
     section = PERFORMANCE.read_text().split("### Activation checkpointing policies", 1)[1]
+    section = section.split("\n### ", 1)[0]  # this subsection's table only
     rows = re.findall(r"^\| (\w+) \| [^|]+ \| ([\d,]+) \| ([\d,]+) \|", section, re.MULTILINE)
     return {policy: (int(held.replace(",", "")), int(hooks.replace(",", "")))
             for policy, held, hooks in rows}
