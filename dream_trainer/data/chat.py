@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dream_trainer.data.documents import IGNORE
-from dream_trainer.data.jsonl import JsonLines
+from dream_trainer.data.jsonl import Records
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -183,23 +183,18 @@ class ChatDataset(Dataset[dict[str, list[int]]]):
         self.max_length = max_length
         self.overflow: Overflow = overflow
         self.template_kwargs = dict(template_kwargs or {})
-        self.path: Path | None = None
-        self.source: Sequence[Mapping[str, Any]] | None = None
-        self._file: JsonLines | None = None
-        if isinstance(source, (str, os.PathLike)):
-            self._file = JsonLines(source)
-            self.path = self._file.path
-        else:
-            self.source = source
+        self._records = Records(source, "conversations")
+        self.path: Path | None = self._records.path
+        self.source: Sequence[Mapping[str, Any]] | None = self._records.source
         if len(self) == 0:
-            raise ValueError(f"{self._origin()} holds no conversation")
+            raise ValueError(f"{self._records.origin()} holds no conversation")
         self._lengths: list[int] | None = None
 
     def __len__(self) -> int:
-        return len(self.source) if self.source is not None else len(self._file or ())
+        return len(self._records)
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
-        index = self._checked(index)
+        index = self._records.checked(index)
         return render_chat(self.tokenizer, self.messages(index), max_length=self.max_length,
                            overflow=self.overflow, template_kwargs=self.template_kwargs,
                            sample=self.describe(index))
@@ -218,8 +213,8 @@ class ChatDataset(Dataset[dict[str, list[int]]]):
             ValueError: for an item that is not a mapping or has no ``messages_key``, or
                 a JSONL line that is not valid JSON.
         """
-        index = self._checked(index)
-        item = self.source[index] if self.source is not None else self._read_line(index)
+        index = self._records.checked(index)
+        item = self._records.get(index)
         if not isinstance(item, Mapping):
             raise ValueError(f"{self.describe(index)} is a {type(item).__name__}, not an "
                              f"object with a {self.messages_key!r} list")
@@ -231,22 +226,7 @@ class ChatDataset(Dataset[dict[str, list[int]]]):
 
     def describe(self, index: int) -> str:
         """How errors name sample ``index``: ``"sample 3 (chats.jsonl line 4)"``."""
-        if self._file is None:
-            return f"sample {index}"
-        return f"sample {index} ({self.path} line {self._file.line_number(index)})"
-
-    def _checked(self, index: int) -> int:
-        size = len(self)
-        if not -size <= index < size:
-            raise IndexError(f"sample {index} is out of range for {size} conversations")
-        return int(index) % size
-
-    def _origin(self) -> str:
-        return str(self.path) if self.path is not None else f"the {type(self.source).__name__}"
-
-    def _read_line(self, index: int) -> Any:
-        assert self._file is not None
-        return self._file.read(index, self.describe(index))
+        return self._records.describe(index)
 
 
 def _check_messages(messages: Any, sample: str) -> None:

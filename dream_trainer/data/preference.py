@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dream_trainer.data.chat import IGNORE_INDEX, check_chat_template, pad_chat, render_chat
-from dream_trainer.data.jsonl import JsonLines
+from dream_trainer.data.jsonl import Records
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -98,23 +98,17 @@ class PreferenceDataset(Dataset[dict[str, list[int]]]):
         self.keys = {"prompt": prompt_key, "chosen": chosen_key, "rejected": rejected_key}
         self.template_kwargs = dict(template_kwargs or {})
         self.pad_token_id = int(pad_token_id)
-        self.path: Path | None = None
-        self.source: Sequence[Mapping[str, Any]] | None = None
-        self._file: JsonLines | None = None
-        if isinstance(source, (str, os.PathLike)):
-            self._file = JsonLines(source)
-            self.path = self._file.path
-        else:
-            self.source = source
+        self._records = Records(source, "preference triples")
+        self.path: Path | None = self._records.path
+        self.source: Sequence[Mapping[str, Any]] | None = self._records.source
         if len(self) == 0:
-            origin = self.path if self.path is not None else f"the {type(source).__name__}"
-            raise ValueError(f"{origin} holds no preference triple")
+            raise ValueError(f"{self._records.origin()} holds no preference triple")
 
     def __len__(self) -> int:
-        return len(self.source) if self.source is not None else len(self._file or ())
+        return len(self._records)
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
-        index = self._checked(index)
+        index = self._records.checked(index)
         sample = self.describe(index)
         prompt, chosen, rejected = self.triple(index)
         if isinstance(prompt, str):
@@ -151,9 +145,9 @@ class PreferenceDataset(Dataset[dict[str, list[int]]]):
                 conversation that does not start with an assistant message, a prompt
                 conversation that is empty or ends with one.
         """
-        index = self._checked(index)
+        index = self._records.checked(index)
         sample = self.describe(index)
-        item = self.source[index] if self.source is not None else self._read_line(index)
+        item = self._records.get(index)
         if not isinstance(item, Mapping):
             raise ValueError(f"{sample} is a {type(item).__name__}, not an object with "
                              f"{', '.join(repr(key) for key in self.keys.values())} keys")
@@ -178,9 +172,7 @@ class PreferenceDataset(Dataset[dict[str, list[int]]]):
 
     def describe(self, index: int) -> str:
         """How errors name sample ``index``: ``"sample 3 (pairs.jsonl line 4)"``."""
-        if self._file is None:
-            return f"sample {index}"
-        return f"sample {index} ({self.path} line {self._file.line_number(index)})"
+        return self._records.describe(index)
 
     def _text(self, prompt: str, *answers: str) -> tuple[int, list[list[int]], list[list[int]]]:
         """The prompt's length, and each answer's ids and labels, for text."""
@@ -214,17 +206,6 @@ class PreferenceDataset(Dataset[dict[str, list[int]]]):
         # which render_chat labels, are context here.
         return (length, [render["input_ids"] for render in rendered],
                 [[IGNORE_INDEX] * length + render["labels"][length:] for render in rendered])
-
-    def _checked(self, index: int) -> int:
-        size = len(self)
-        if not -size <= index < size:
-            raise IndexError(f"sample {index} is out of range for {size} preference triples")
-        return int(index) % size
-
-    def _read_line(self, index: int) -> Any:
-        assert self._file is not None
-        return self._file.read(index, self.describe(index))
-
 
 def _is_message_list(value: Any) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
