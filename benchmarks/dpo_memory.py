@@ -29,12 +29,13 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
-from benchmarks.lora_memory import STEPS, Shape, build, launch, run_cli, warm_up
+from benchmarks.lora_memory import (STEPS, MemoryTrainer, Shape, build, launch, run_cli,
+                                    warm_up)
 from benchmarks.processes import current_rss_bytes, peak_rss_bytes
-from dream_trainer import BaseTrainer, BaseTrainerConfig
+from dream_trainer import BaseTrainerConfig
 from dream_trainer.callbacks import ReferenceLogProbs
 from dream_trainer.configs import DeviceParameters, TrainingParameters
-from dream_trainer.mixins import SetupConfigMixin, SetupMixin
+from dream_trainer.mixins import SetupConfigMixin
 from dream_trainer.nn import dpo_loss, sequence_log_probs
 
 Variant = Literal["sharded", "precomputed", "base"]
@@ -87,14 +88,14 @@ class DPOMemoryConfig(BaseTrainerConfig, SetupConfigMixin):
     variant: Variant
 
 
-class DPOMemoryTrainer(BaseTrainer, SetupMixin):
+class DPOMemoryTrainer(MemoryTrainer):
     """DPO steps of the policy with AdamW; RSS read before configure, after setup, before
-    the first step and at the end."""
+    the first step and at the end (the optimizer, validation and end as ``MemoryTrainer``)."""
 
-    config: DPOMemoryConfig
+    config: DPOMemoryConfig  # type: ignore[assignment]
 
     def pre_configure(self) -> None:
-        self.baseline = current_rss_bytes()
+        super().pre_configure()
         # Given in the config's callbacks by the precomputed variant.
         self.precomputed = next((callback for callback in self.callbacks
                                  if isinstance(callback, ReferenceLogProbs)), None)
@@ -105,10 +106,6 @@ class DPOMemoryTrainer(BaseTrainer, SetupMixin):
         self.model = build(shape, lora=self.config.variant == "base")
         if self.config.variant != "base":
             self.reference = build(shape, lora=False).requires_grad_(False)
-
-    def configure_optimizers(self) -> None:
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=1e-4)
 
     def configure_dataloaders(self) -> tuple[DataLoader[Any], None]:
         shape = Shape(**self.config.shape)
@@ -151,14 +148,6 @@ class DPOMemoryTrainer(BaseTrainer, SetupMixin):
         loss = self.forward_backward(self.model, tokens, target=targets, loss_fn=loss_fn)
         self.step(self.model, self.optimizer)
         return {"loss": loss}
-
-    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        return {}
-
-    def post_fit(self) -> None:
-        self.step_peak = peak_rss_bytes() - self.baseline
-        # Counted on the whole model (a sharded parameter's numel is its global one).
-        self.trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -31,51 +31,33 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from benchmarks.lora_memory import QUICK, Shape, batches, build
+from benchmarks.lora_memory import QUICK, MemoryConfig, MemoryTrainer, Shape, batches, build
 from benchmarks.processes import REPO_ROOT, child_env
-from dream_trainer import BaseTrainer, BaseTrainerConfig
 from dream_trainer.checkpoint.storage_base import Location
 from dream_trainer.configs import CheckpointParameters, DeviceParameters, TrainingParameters
-from dream_trainer.mixins import (CheckpointConfigMixin, CheckpointMixin, SetupConfigMixin,
-                                  SetupMixin)
+from dream_trainer.mixins import CheckpointConfigMixin, CheckpointMixin
 
 VARIANTS = {"frozen_left_out": False, "full_state": True}
 """Each run's ``save_frozen_weights``."""
 
 
-class CheckpointBenchConfig(BaseTrainerConfig, SetupConfigMixin, CheckpointConfigMixin):
-    shape: dict[str, int]
+class CheckpointBenchConfig(MemoryConfig, CheckpointConfigMixin):
+    lora: bool = True
 
 
-class CheckpointBenchTrainer(BaseTrainer, SetupMixin, CheckpointMixin):
-    """A LoRA fine-tune that times each checkpoint it writes."""
+class CheckpointBenchTrainer(MemoryTrainer, CheckpointMixin):
+    """``MemoryTrainer``'s LoRA fine-tune, one step per checkpoint, timing each checkpoint it
+    writes."""
 
-    config: CheckpointBenchConfig
+    config: CheckpointBenchConfig  # type: ignore[assignment]
 
     def __init__(self, config: CheckpointBenchConfig) -> None:
         super().__init__(config)
         self.save_seconds: dict[int, float] = {}
 
-    def configure_models(self) -> None:
-        self.model = build(Shape(**self.config.shape), lora=True)
-
-    def configure_optimizers(self) -> None:
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=1e-4)
-
     def configure_dataloaders(self) -> tuple[DataLoader[Any], None]:
         saves = self.config.training_parameters.max_steps
         return batches(Shape(**self.config.shape), self.world.world_size, saves), None
-
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        (tokens,) = batch
-        loss = self.model(input_ids=tokens, labels=tokens).loss
-        self.backward(loss)
-        self.step(self.model, self.optimizer)
-        return {"loss": loss}
-
-    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        return {}
 
     def save_checkpoint(self, asynchronous: bool | None = None) -> Location:
         start = time.perf_counter()
